@@ -1,0 +1,1 @@
+"""Built-in kernel specs, one file per kernel, grouped by family."""

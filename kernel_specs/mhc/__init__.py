@@ -1,0 +1,1 @@
+"""mHC (manifold-constrained hyper-connection) kernels."""

@@ -1,0 +1,242 @@
+"""sinkhorn_fwd: Sinkhorn-Knopp normalisation of many small n x n matrices (mHC residual mixing).
+
+y = softmax(x, -1) + eps; y /= colsum(y) + eps; then (repeat - 1) times: rowsum, colsum.
+Semantics follow TileKernels' `sinkhorn_normalize_ref`.
+
+Three layouts are tunable:
+  thread    one token's n x n matrix lives in one thread's registers: no cross-thread reduction.
+  smem      the block's tile is staged through shared memory with coalesced copies, then as `thread`.
+  fragment  TileLang fragments reduced across threads (T.reduce_*), TileKernels' structure.
+The arithmetic is tiny (~1.3 GFLOP at 1M tokens): the kernel should run at memory speed, which
+the per-thread layouts reach because they issue no shuffles or barriers between the 2*repeat steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tkjit.registry import register
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+
+LAYOUTS = ("thread", "smem", "fragment")
+SMEM_LIMIT = 48 * 1024  # stay under the default dynamic shared memory cap
+
+
+def default(shape):
+    n = shape["n"]
+    # One token per thread, reciprocals instead of divides: the arithmetic stays off the critical
+    # path, and 256-token blocks of 128 threads give each thread two independent tokens in flight.
+    return {"layout": "thread", "block_tokens": 256 if n <= 4 else 64, "threads": 128 if n <= 4 else 64,
+            "fast_math": False, "recip": True}
+
+
+def constraint(shape, c):
+    n, bt, th = shape["n"], c["block_tokens"], c["threads"]
+    if c["layout"] in ("thread", "smem"):
+        if bt < th or bt % th:
+            return "per-thread layouts need block_tokens to be a multiple of threads"
+        if c["layout"] == "smem" and bt * n * n * 4 > SMEM_LIMIT:
+            return f"tile of {bt * n * n * 4} bytes exceeds {SMEM_LIMIT} bytes of shared memory"
+        if bt * n * n > 64 * 1024:
+            return "block too large"
+    else:
+        if bt > 64 or th > 128:
+            return "fragment layout is for block_tokens <= 64 and threads <= 128"
+        if c["recip"]:
+            return "fragment layout always divides (recip would duplicate configs)"
+        if bt * n * n < th:
+            return "fragment smaller than the thread block"
+    return None
+
+
+def arch_constraint(arch, c):
+    # TileLang's C target has no threads or fragments: only the per-thread layout lowers there.
+    if arch == "cpu" and (c["layout"] != "thread" or c["fast_math"]):
+        return "the C target runs the thread layout without fast math only"
+    return None
+
+
+def build(shape, c):
+    from tilelang import language as T
+
+    n, repeat, eps = shape["n"], shape["repeat"], shape["eps"]
+    bt, threads, layout, recip = c["block_tokens"], c["threads"], c["layout"], c["recip"]
+    num_tokens = T.dynamic("num_tokens")
+    f32 = T.float32
+
+    if layout == "fragment":
+        @T.prim_func
+        def sinkhorn_fragment(
+            x: T.Tensor[(num_tokens, n, n), f32], y: T.Tensor[(num_tokens, n, n), f32]
+        ):
+            with T.Kernel(T.ceildiv(num_tokens, bt), threads=threads) as bx:
+                m = T.alloc_fragment((bt, n, n), f32)
+                rs = T.alloc_fragment((bt, n), f32)
+                cs = T.alloc_fragment((bt, n), f32)
+                T.copy(x[bx * bt, 0, 0], m)
+                T.reduce_max(m, rs, dim=2)
+                for t, i, j in T.Parallel(bt, n, n):
+                    m[t, i, j] = T.exp(m[t, i, j] - rs[t, i])
+                T.reduce_sum(m, rs, dim=2)
+                for t, i, j in T.Parallel(bt, n, n):
+                    m[t, i, j] = m[t, i, j] / rs[t, i] + eps
+                T.reduce_sum(m, cs, dim=1)
+                for t, i, j in T.Parallel(bt, n, n):
+                    m[t, i, j] = m[t, i, j] / (cs[t, j] + eps)
+                for _ in T.serial(repeat - 1):
+                    T.reduce_sum(m, rs, dim=2)
+                    for t, i, j in T.Parallel(bt, n, n):
+                        m[t, i, j] = m[t, i, j] / (rs[t, i] + eps)
+                    T.reduce_sum(m, cs, dim=1)
+                    for t, i, j in T.Parallel(bt, n, n):
+                        m[t, i, j] = m[t, i, j] / (cs[t, j] + eps)
+                T.copy(m, y[bx * bt, 0, 0])
+
+        return sinkhorn_fragment
+
+    # Per-thread layouts: m and s are registers of the thread that owns token t.
+    @T.macro
+    def normalise_rows(m, s, add_eps):
+        for i in T.unroll(n):
+            s[i] = 0.0
+            for j in T.unroll(n):
+                s[i] += m[i, j]
+            if recip:
+                s[i] = 1.0 / (s[i] + eps) if add_eps else 1.0 / s[i]
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                if recip:
+                    m[i, j] = m[i, j] * s[i]
+                else:
+                    m[i, j] = m[i, j] / (s[i] + eps) if add_eps else m[i, j] / s[i]
+
+    @T.macro
+    def normalise_cols(m, s):
+        for j in T.unroll(n):
+            s[j] = 0.0
+            for i in T.unroll(n):
+                s[j] += m[i, j]
+            if recip:
+                s[j] = 1.0 / (s[j] + eps)
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                if recip:
+                    m[i, j] = m[i, j] * s[j]
+                else:
+                    m[i, j] = m[i, j] / (s[j] + eps)
+
+    @T.macro
+    def sinkhorn_in_registers(m, s):
+        for i in T.unroll(n):
+            s[i] = m[i, 0]
+            for j in T.unroll(1, n):
+                s[i] = T.max(s[i], m[i, j])
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                m[i, j] = T.exp(m[i, j] - s[i])
+        normalise_rows(m, s, False)
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                m[i, j] = m[i, j] + eps
+        normalise_cols(m, s)
+        for _ in T.serial(repeat - 1):
+            normalise_rows(m, s, True)
+            normalise_cols(m, s)
+
+    if layout == "thread":
+        @T.prim_func
+        def sinkhorn_thread(
+            x: T.Tensor[(num_tokens, n, n), f32], y: T.Tensor[(num_tokens, n, n), f32]
+        ):
+            with T.Kernel(T.ceildiv(num_tokens, bt), threads=threads) as bx:
+                m = T.alloc_local((n, n), f32)
+                s = T.alloc_local((n,), f32)
+                for t in T.Parallel(bt):
+                    tok = bx * bt + t
+                    if tok < num_tokens:
+                        for i in T.unroll(n):
+                            for j in T.vectorized(n):
+                                m[i, j] = x[tok, i, j]
+                        sinkhorn_in_registers(m, s)
+                        for i in T.unroll(n):
+                            for j in T.vectorized(n):
+                                y[tok, i, j] = m[i, j]
+
+        return sinkhorn_thread
+
+    @T.prim_func
+    def sinkhorn_smem(
+        x: T.Tensor[(num_tokens, n, n), f32], y: T.Tensor[(num_tokens, n, n), f32]
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, bt), threads=threads) as bx:
+            tile = T.alloc_shared((bt, n, n), f32)
+            m = T.alloc_local((n, n), f32)
+            s = T.alloc_local((n,), f32)
+            T.copy(x[bx * bt, 0, 0], tile)
+            for t in T.Parallel(bt):
+                for i in T.unroll(n):
+                    for j in T.unroll(n):
+                        m[i, j] = tile[t, i, j]
+                sinkhorn_in_registers(m, s)
+                for i in T.unroll(n):
+                    for j in T.unroll(n):
+                        tile[t, i, j] = m[i, j]
+            T.copy(tile, y[bx * bt, 0, 0])
+
+    return sinkhorn_smem
+
+
+def make_inputs(shape, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(shape["num_tokens"], shape["n"], shape["n"], generator=g, dtype=torch.float32)
+    return (x.to(device),)
+
+
+def reference(shape, x):
+    """TileKernels' sinkhorn_normalize_ref, evaluated in float64 and rounded once."""
+    eps, repeat = shape["eps"], shape["repeat"]
+    y = x.double().softmax(-1) + eps
+    y = y / (y.sum(-2, keepdim=True) + eps)
+    for _ in range(repeat - 1):
+        y = y / (y.sum(-1, keepdim=True) + eps)
+        y = y / (y.sum(-2, keepdim=True) + eps)
+    return y.to(x.dtype)
+
+
+def pass_configs(c):
+    return {"tl.enable_fast_math": bool(c["fast_math"]), "tl.disable_warp_specialized": True}
+
+
+SPEC = register(
+    KernelSpec(
+        name="sinkhorn_fwd",
+        family="mhc",
+        doc="Sinkhorn normalisation of (num_tokens, n, n) float32 mixing matrices",
+        params=(
+            Runtime("num_tokens", hi=1 << 26, doc="tokens; runtime size, tuned per power-of-two bucket"),
+            Static("n", lo=1, hi=16, default=4, doc="matrix size (mHC expansion rate)"),
+            Static("repeat", lo=1, hi=100, default=10, doc="row/column normalisation rounds"),
+            Static("eps", type=float, lo=0.0, hi=1.0, default=1e-6),
+        ),
+        space={
+            "layout": LAYOUTS,
+            "block_tokens": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            "threads": (32, 64, 128, 256),
+            "fast_math": (False, True),
+            "recip": (False, True),
+        },
+        default=default,
+        constraint=constraint,
+        arch_constraint=arch_constraint,
+        build=build,
+        pass_configs=pass_configs,
+        inputs=(TensorArg("x", "float32", ("num_tokens", "n", "n")),),
+        outputs=(TensorArg("y", "float32", ("num_tokens", "n", "n")),),
+        make_inputs=make_inputs,
+        reference=reference,
+        tolerance=Tolerance(rtol=1e-5),
+        bytes_moved=lambda s: 2 * s["num_tokens"] * s["n"] * s["n"] * 4,
+        flops=lambda s: s["num_tokens"] * s["n"] * s["n"] * (4 + 4 * s["repeat"]),
+        examples=({"num_tokens": 4096, "n": 4}, {"num_tokens": 1 << 20, "n": 4}),
+    )
+)

@@ -1,0 +1,157 @@
+"""`tkjit.get`: name + shape -> a compiled, loaded kernel. The path is get -> key -> cache -> compile -> load."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tkjit import loader
+from tkjit.arch import resolve_arch
+from tkjit.cache import Cache, Entry
+from tkjit.errors import CacheError, ConfigError
+from tkjit.kernel import CompiledKernel
+from tkjit.key import key_material, key_of
+from tkjit.registry import get_spec
+from tkjit.spec import KernelSpec
+
+_memo: dict[tuple, CompiledKernel] = {}  # exact get() arguments -> kernel (the hot path)
+_by_key: dict[str, CompiledKernel] = {}  # cache key -> kernel (other runtime sizes, same binary)
+_lock = threading.Lock()
+_cache: Cache | None = None
+_warned_readonly = False
+
+
+def cache() -> Cache:
+    global _cache
+    if _cache is None:
+        _cache = Cache()
+    return _cache
+
+
+def reset() -> None:
+    """Forget the in-process memo and cache handle (tests; after changing TKJIT_CACHE_DIR)."""
+    global _cache
+    with _lock:
+        _memo.clear()
+        _by_key.clear()
+        _cache = None
+
+
+def _freeze(d: Mapping | None) -> tuple | None:
+    return None if d is None else tuple(sorted(d.items()))
+
+
+def get(
+    name: str,
+    shape: Mapping[str, Any] | None = None,
+    *,
+    arch: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    **shape_kw: Any,
+) -> CompiledKernel:
+    """The compiled kernel for `name` at `shape` (a mapping, or keyword args).
+
+    Config: explicit -> tuned DB (user's, then shipped) -> nearest tuned bucket -> heuristic default.
+    """
+    try:
+        mk = (name, _freeze(shape), _freeze(shape_kw), arch, _freeze(config))
+        hit = _memo.get(mk)
+    except TypeError:  # unhashable values: validation below will say what is wrong
+        mk, hit = None, None
+    if hit is not None:
+        return hit
+    kernel = _resolve(name, {**(shape or {}), **shape_kw}, arch, config)
+    if mk is not None:
+        with _lock:
+            _memo[mk] = kernel
+    return kernel
+
+
+def choose_config(spec: KernelSpec, full: dict, arch: str, config: Mapping | None) -> tuple[dict, str]:
+    if config is not None:
+        return spec.check_config(full, config, arch), "explicit"
+    from tkjit.tuning_db import lookup
+
+    found = lookup(spec, full, arch)
+    if found is not None:
+        cfg, source = found
+        try:
+            return spec.check_config(full, cfg, arch), source
+        except ConfigError as e:  # a DB written for an older space: say so, serve the default
+            warnings.warn(f"tkjit: ignoring tuned config from {source}: {e}", stacklevel=3)
+    return spec.default_config(full, arch), "default"
+
+
+def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -> CompiledKernel:
+    spec = get_spec(name)
+    full = spec.canonical_shape(shape)
+    arch = resolve_arch(arch)
+    cfg, source = choose_config(spec, full, arch, config)
+    static = spec.static_shape(full)
+    entry, key = ensure_entry(spec, static, cfg, arch, source)
+    with _lock:
+        k = _by_key.get(key)
+    if k is None:
+        launch = loader.load(entry.file(entry.meta["lib"]), entry.meta)
+        k = CompiledKernel(spec, full, cfg, arch, key, source, entry.path, launch)
+        with _lock:
+            k = _by_key.setdefault(key, k)
+    if entry.path.parent.name == "entries":  # not for an uncached (read-only disk) build
+        cache().touch(key)
+    return k
+
+
+def entry_key(spec: KernelSpec, static: dict, cfg: dict, arch: str) -> tuple[str, dict]:
+    material = key_material(spec.name, spec.source_hash, static, cfg, spec.pass_configs(cfg), arch)
+    return key_of(material), material
+
+
+def ensure_entry(spec: KernelSpec, static: dict, cfg: dict, arch: str, source: str = "explicit") -> tuple[Entry, str]:
+    """The verified cache entry for this variant, compiled and published if absent."""
+    from tkjit.compiler import compile_to_dir
+
+    key, material = entry_key(spec, static, cfg, arch)
+    meta = {
+        "kernel": spec.name,
+        "family": spec.family,
+        "shape": static,
+        "config": cfg,
+        "arch": arch,
+        "config_source": source,
+        "toolchain": material["toolchain"],
+        "spec_source": spec.source_hash,
+    }
+
+    def build(staging: Path) -> dict:
+        t0 = time.perf_counter()
+        extra = compile_to_dir(spec, static, cfg, arch, staging)
+        extra["compile_s"] = round(time.perf_counter() - t0, 3)
+        return extra
+
+    try:
+        return cache().get_or_build(key, meta, build), key
+    except CacheError:
+        raise
+    except OSError as e:
+        return _build_in_memory(key, meta, build, e), key
+
+
+def _build_in_memory(key: str, meta: dict, build, err: OSError) -> Entry:
+    """Read-only or full cache disk: still serve the kernel, from a private temp dir, once warned."""
+    global _warned_readonly
+    if not _warned_readonly:
+        warnings.warn(f"tkjit: cache not writable ({err}); compiling without caching", stacklevel=4)
+        _warned_readonly = True
+    tmp = Path(tempfile.mkdtemp(prefix="tkjit-"))
+    try:
+        extra = build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Entry(key, tmp, {"key": key, "files": {}, "meta": {**meta, **extra}})

@@ -1,0 +1,64 @@
+"""Which GPU arch to build for: explicit, TKJIT_ARCH, or the current GPU.
+
+A named arch lets a CPU-only host cross-compile (TileLang + nvcc emit sm_XX code, nothing runs).
+"cpu" selects TileLang's C target: the whole path runs on a CPU (CI).
+"""
+
+from __future__ import annotations
+
+import re
+
+from tkjit import envs
+from tkjit.errors import TkjitError
+
+_ARCH_RE = re.compile(r"^(sm_[1-9][0-9]{1,2}[af]?|cpu)$")
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    # The 'a' targets unlock wgmma/setmaxnreg (9.0) and tcgen05 (10.0); they run only on that exact chip.
+    if (major, minor) in ((9, 0), (10, 0), (10, 3)):
+        return f"sm_{major}{minor}a"
+    return f"sm_{major}{minor}"
+
+
+def current_arch(device: int | None = None) -> str | None:
+    """The arch of the current (or given) CUDA device; None without a usable GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    idx = torch.cuda.current_device() if device is None else device
+    return arch_for_capability(*torch.cuda.get_device_capability(idx))
+
+
+def check_arch(arch: str) -> str:
+    if not isinstance(arch, str) or not _ARCH_RE.match(arch):
+        raise TkjitError(f"invalid arch {arch!r}: expected e.g. 'sm_90a', 'sm_100a', 'sm_89' or 'cpu'")
+    return arch
+
+
+def resolve_arch(arch: str | None = None) -> str:
+    if arch is not None:
+        return check_arch(arch)
+    env = envs.ARCH.get()
+    if env:
+        return check_arch(env)
+    found = current_arch()
+    if found is None:
+        raise TkjitError("no CUDA GPU found: pass arch='sm_90a' (or set TKJIT_ARCH) to cross-compile")
+    return found
+
+
+def tilelang_target(arch: str) -> str | dict:
+    return "c" if arch == "cpu" else {"kind": "cuda", "arch": arch}
+
+
+def gpu_name() -> str | None:
+    name = envs.GPU_NAME.get()
+    if name:
+        return name
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(torch.cuda.current_device())

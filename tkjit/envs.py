@@ -1,0 +1,36 @@
+"""Every environment variable tkjit reads, in one registry (after tilelang/env.py).
+
+Values are read at call time, not import time, so tests and tools can set them per process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None
+    doc: str
+
+    def get(self) -> str | None:
+        value = os.environ.get(self.name)
+        return self.default if value in (None, "") else value
+
+
+CACHE_DIR = EnvVar("TKJIT_CACHE_DIR", None, "cache root (default: platformdirs user cache dir)")
+ARCH = EnvVar("TKJIT_ARCH", None, "GPU arch to compile for, e.g. sm_90a (default: the current GPU)")
+JOBS = EnvVar("TKJIT_JOBS", None, "parallel compile processes (default: number of cores)")
+LOCK_TIMEOUT = EnvVar("TKJIT_LOCK_TIMEOUT", "900", "seconds to wait for another process's compile")
+CACHE_MAX_BYTES = EnvVar("TKJIT_CACHE_MAX_BYTES", None, "size cap of the cache; LRU entries evicted")
+NVCC = EnvVar("TKJIT_NVCC", None, "nvcc to use and key on (default: CUDA_HOME/bin/nvcc or PATH)")
+NO_TUNED_DB = EnvVar("TKJIT_NO_TUNED_DB", "0", "1: ignore tuned databases, serve heuristic defaults")
+GPU_NAME = EnvVar("TKJIT_GPU_NAME", None, "GPU model for tuning-DB lookup (default: the current GPU)")
+
+REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME)
+
+
+def flag(var: EnvVar) -> bool:
+    return (var.get() or "").lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,169 @@
+"""CompiledKernel: the callable `get` returns. Checks tensors, allocates outputs, launches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tkjit.errors import LaunchError, TensorError
+from tkjit.spec import KernelSpec
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def torch_dtype(name: str):
+    if not _TORCH_DTYPES:
+        import torch
+
+        _TORCH_DTYPES.update(
+            {
+                "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+                "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+            }
+        )
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise TensorError(f"unsupported dtype {name!r}") from None
+
+
+@dataclass
+class _ArgCheck:
+    name: str
+    dtype: Any
+    dims: list[tuple[str | None, int]]  # (runtime param name or None, static size)
+
+
+@dataclass
+class CompiledKernel:
+    spec: KernelSpec
+    shape: dict[str, Any]  # the canonical shape it was asked for (static + runtime)
+    config: dict[str, Any]
+    arch: str
+    key: str
+    config_source: str
+    path: Path
+    _launch: Callable[..., Any] = field(repr=False)
+    _checked_devices: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        runtime = {p.name: p for p in self.spec.runtime_params}
+        # Dims are resolved with runtime params set to a sentinel, so each dim is either a
+        # static number or a plain runtime param name (no arithmetic on runtime sizes).
+        probe = dict(self.shape)
+        sentinels = {name: -(i + 1) * 1_000_003 for i, name in enumerate(runtime)}
+        probe.update(sentinels)
+        back = {v: k for k, v in sentinels.items()}
+        self._device_type = "cpu" if self.arch == "cpu" else "cuda"
+
+        def plan(t) -> _ArgCheck:
+            dtype, dims = t.resolve(probe)
+            return _ArgCheck(t.name, torch_dtype(dtype), [(back.get(d), d) for d in dims])
+
+        self._in = [plan(t) for t in self.spec.inputs]
+        self._out = [plan(t) for t in self.spec.outputs]
+        self._runtime = runtime
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def __call__(self, *inputs, out=None):
+        """Run on input tensors; returns the output (a tuple when the spec has several)."""
+        import torch
+
+        if len(inputs) != len(self._in):
+            raise TensorError(
+                f"{self.name}: expected {len(self._in)} input tensors ({', '.join(a.name for a in self._in)}), "
+                f"got {len(inputs)}"
+            )
+        sizes: dict[str, int] = {}
+        device = None
+        for t, a in zip(inputs, self._in):
+            device = self._check(t, a, sizes, device)
+        for name, v in sizes.items():
+            p = self._runtime[name]
+            if v != 0:
+                p.check(v)
+        if out is None:
+            outs = [
+                torch.empty([sizes[r] if r else s for r, s in a.dims], dtype=a.dtype, device=device)
+                for a in self._out
+            ]
+        else:
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            if len(outs) != len(self._out):
+                raise TensorError(f"{self.name}: expected {len(self._out)} output tensors, got {len(outs)}")
+            for t, a in zip(outs, self._out):
+                self._check(t, a, sizes, device, output=True)
+        if device.type == "cuda" and device.index not in self._checked_devices:
+            self._check_device(device)
+        if all(v != 0 for v in sizes.values()):  # an empty batch launches nothing
+            try:
+                self._launch(*inputs, *outs)
+            except LaunchError:
+                raise
+            except Exception as e:  # tvm_ffi reports argument/launch problems as its own errors
+                raise LaunchError(f"{self.name}: launch failed: {type(e).__name__}: {e}") from e
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _check(self, t, a: _ArgCheck, sizes: dict[str, int], device, output: bool = False):
+        import torch
+
+        role = "output" if output else "input"
+        if not isinstance(t, torch.Tensor):
+            raise TensorError(f"{self.name}: {role} {a.name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != a.dtype:
+            raise TensorError(f"{self.name}: {role} {a.name} has dtype {t.dtype}, expected {a.dtype}")
+        if t.dim() != len(a.dims):
+            raise TensorError(
+                f"{self.name}: {role} {a.name} has {t.dim()} dims {tuple(t.shape)}, expected {len(a.dims)} "
+                f"({self._dims_text(a)})"
+            )
+        for axis, ((rname, size), got) in enumerate(zip(a.dims, t.shape)):
+            if rname is None:
+                if got != size:
+                    raise TensorError(
+                        f"{self.name}: {role} {a.name} has shape {tuple(t.shape)}, expected ({self._dims_text(a)})"
+                        f" (axis {axis} must be {size}, compiled in)"
+                    )
+            elif sizes.setdefault(rname, got) != got:
+                raise TensorError(
+                    f"{self.name}: {role} {a.name} axis {axis} ({rname}) is {got}, other tensors say {sizes[rname]}"
+                )
+        if t.device.type != self._device_type:
+            raise TensorError(
+                f"{self.name}: {role} {a.name} is on {t.device}, this kernel was built for {self.arch} "
+                f"and needs {self._device_type} tensors"
+            )
+        if device is not None and t.device != device:
+            raise TensorError(f"{self.name}: {role} {a.name} is on {t.device}, other tensors on {device}")
+        if not t.is_contiguous():
+            raise TensorError(f"{self.name}: {role} {a.name} must be contiguous (call .contiguous())")
+        if t.storage_offset() and t.data_ptr() % 16:
+            raise TensorError(f"{self.name}: {role} {a.name} is not 16-byte aligned (a sliced view?)")
+        return t.device
+
+    def _dims_text(self, a: _ArgCheck) -> str:
+        return ", ".join(r if r else str(s) for r, s in a.dims)
+
+    def _check_device(self, device) -> None:
+        from tkjit.arch import current_arch
+
+        found = current_arch(device.index)
+        if found != self.arch:
+            raise LaunchError(
+                f"{self.name}: kernel built for {self.arch} but {device} is {found}; "
+                f"get it with arch=None (or arch={found!r})"
+            )
+        self._checked_devices.add(device.index)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name} {self.spec.static_shape(self.shape)} arch={self.arch} "
+            f"config={self.config} ({self.config_source}) key={self.key}"
+        )

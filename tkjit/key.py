@@ -1,0 +1,105 @@
+"""The content-addressed cache key: everything that can change the binary, and nothing else.
+
+No absolute paths go in, so a cache copied to another install still hits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tkjit import envs
+from tkjit.version import ARTIFACT_FORMAT, __version__
+
+
+@functools.lru_cache(maxsize=1)
+def tilelang_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tilelang")
+    except PackageNotFoundError:
+        return "none"
+
+
+def nvcc_path() -> str | None:
+    explicit = envs.NVCC.get()
+    if explicit:
+        return explicit
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+
+
+@functools.lru_cache(maxsize=4)
+def _nvcc_version(path: str | None) -> str:
+    if path is None:
+        return "none"
+    # version.json beside bin/ answers in microseconds; `nvcc --version` takes a process start.
+    vj = Path(os.path.realpath(path)).parent.parent / "version.json"
+    try:
+        data = json.loads(vj.read_text())
+        return str(data["cuda_nvcc"]["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    m = re.search(r"V(\d+\.\d+\.\d+)", out)
+    return m.group(1) if m else "unknown"
+
+
+def nvcc_version() -> str:
+    return _nvcc_version(nvcc_path())
+
+
+@functools.lru_cache(maxsize=1)
+def host_cc_version() -> str:
+    try:
+        out = subprocess.run(["gcc", "--version"], capture_output=True, text=True, timeout=30).stdout
+        return out.splitlines()[0] if out else "none"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+
+
+def toolchain(arch: str) -> dict[str, str]:
+    """Compiler identities for arch: these version strings are part of every key."""
+    tc = {"tilelang": tilelang_version(), "tkjit": __version__, "format": str(ARTIFACT_FORMAT)}
+    if arch == "cpu":
+        tc["cc"] = host_cc_version()
+        tc["machine"] = platform.machine()
+    else:
+        tc["nvcc"] = nvcc_version()
+    return tc
+
+
+def key_material(
+    name: str, source_hash: str, static_shape: dict, config: dict, pass_configs: dict, arch: str
+) -> dict[str, Any]:
+    return {
+        "spec": name,
+        "spec_source": source_hash,
+        "static_shape": static_shape,
+        "config": config,
+        "pass_configs": pass_configs,
+        "arch": arch,
+        "toolchain": toolchain(arch),
+    }
+
+
+def key_of(material: dict[str, Any]) -> str:
+    blob = json.dumps(material, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:40]

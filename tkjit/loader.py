@@ -1,0 +1,96 @@
+"""Load a verified artifact into a callable, without importing the TileLang compiler.
+
+CUDA artifacts are tvm_ffi executables: `tvm_ffi` plus TileLang's small `libtvm_runtime.so`
+(which registers the CUDA module loader) is all they need. CPU (C target) artifacts expose a
+plain C ABI and are called through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tkjit.errors import LaunchError
+
+_rt_lock = threading.Lock()
+_rt_loaded = False
+
+
+def _tilelang_lib_dir() -> Path:
+    # find_spec on a top-level package locates it without executing tilelang/__init__.py.
+    spec = importlib.util.find_spec("tilelang")
+    if spec is None or not spec.submodule_search_locations:
+        raise LaunchError("tilelang is not installed: its runtime library is needed to load CUDA kernels")
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+def _import_tvm_ffi():
+    global _rt_loaded
+    if _rt_loaded:
+        import tvm_ffi
+
+        return tvm_ffi
+    with _rt_lock:
+        if "tvm_ffi" not in sys.modules and "ml_dtypes" not in sys.modules:
+            # tvm_ffi imports ml_dtypes only to map numpy dtypes, which we never pass; that
+            # import is most of tvm_ffi's start-up cost, so skip it (it stays importable).
+            sys.modules["ml_dtypes"] = None  # type: ignore[assignment]
+            try:
+                import tvm_ffi
+            finally:
+                sys.modules.pop("ml_dtypes", None)
+        import tvm_ffi
+
+        if not _rt_loaded:
+            ctypes.CDLL(str(_tilelang_lib_dir() / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+            _rt_loaded = True
+    return tvm_ffi
+
+
+def _load_tvm_ffi(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
+    tvm_ffi = _import_tvm_ffi()
+    mod = tvm_ffi.load_module(str(lib))
+    fn = mod["main"]
+
+    def launch(*tensors):
+        fn(*tensors)
+
+    launch._module = mod  # keep the module (and its CUDA code) alive as long as the callable
+    return launch
+
+
+def _load_ctypes(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
+    dll = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
+    dll.get_last_error.restype = ctypes.c_char_p
+    if dll.init() != 0:
+        raise LaunchError(f"kernel init failed: {dll.get_last_error().decode(errors='replace')}")
+    dyn = [(int(d["arg"]), int(d["axis"])) for d in meta["abi"]["dynamic"]]
+    call = dll.call
+    call.restype = ctypes.c_int
+
+    def launch(*tensors):
+        args = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
+        args += [ctypes.c_int32(tensors[a].shape[ax]) for a, ax in dyn]
+        rc = call(*args)
+        if rc != 0:
+            raise LaunchError(f"kernel returned {rc}: {dll.get_last_error().decode(errors='replace')}")
+
+    launch._dll = dll
+    return launch
+
+
+LOADERS = {"tvm_ffi": _load_tvm_ffi, "ctypes": _load_ctypes}
+
+
+def load(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
+    kind = meta.get("abi", {}).get("loader")
+    loader = LOADERS.get(kind)
+    if loader is None:
+        raise LaunchError(f"artifact {lib} has unknown loader {kind!r}")
+    return loader(lib, meta)

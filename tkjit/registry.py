@@ -1,0 +1,67 @@
+"""The kernel catalog: built-in specs from `kernel_specs`, plus user specs.
+
+Users register from their own package with `tkjit.register(spec)`, or by declaring an entry point in
+the `tkjit.specs` group that names a module to import (the module calls `register`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import threading
+
+from tkjit.errors import SpecError, UnknownKernelError
+from tkjit.spec import KernelSpec, validate
+
+_SPECS: dict[str, KernelSpec] = {}
+_lock = threading.RLock()  # spec modules call register() while the catalog loads
+_loaded = False
+
+
+def register(spec: KernelSpec, *, replace: bool = False) -> KernelSpec:
+    """Validate and add a spec to the catalog."""
+    validate(spec)
+    with _lock:
+        old = _SPECS.get(spec.name)
+        if old is not None and old is not spec and not replace:
+            raise SpecError(f"a kernel named {spec.name!r} is already registered (pass replace=True)")
+        _SPECS[spec.name] = spec
+    return spec
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        import kernel_specs
+
+        for mod in pkgutil.walk_packages(kernel_specs.__path__, "kernel_specs."):
+            importlib.import_module(mod.name)
+        try:
+            from importlib.metadata import entry_points
+
+            for ep in entry_points(group="tkjit.specs"):
+                ep.load()
+        except Exception as e:  # a broken third-party plugin must not hide the built-in catalog
+            import warnings
+
+            warnings.warn(f"tkjit: failed to load a 'tkjit.specs' entry point: {e}", stacklevel=2)
+        _loaded = True
+
+
+def get_spec(name: str) -> KernelSpec:
+    spec = _SPECS.get(name)
+    if spec is None:
+        _load_builtin()
+        spec = _SPECS.get(name)
+    if spec is None:
+        raise UnknownKernelError(f"unknown kernel {name!r}; known kernels: {sorted(_SPECS)}")
+    return spec
+
+
+def all_specs() -> list[KernelSpec]:
+    _load_builtin()
+    return [_SPECS[k] for k in sorted(_SPECS)]

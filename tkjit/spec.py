@@ -1,0 +1,346 @@
+"""The declarative kernel spec: shapes, tunable space, constraints, default, builder, reference.
+
+A spec is plain data plus a few functions. Nothing here imports TileLang: the builder is only
+called by the compiler, so serving a cached kernel never needs the compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tkjit.errors import ConfigError, ShapeError, SpecError
+
+Shape = dict[str, Any]
+Config = dict[str, Any]
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def pow2_bucket(value: int) -> int:
+    """Smallest power of two >= value: tuning winners are shared inside a bucket."""
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Param:
+    """A shape parameter.
+
+    static: compiled into the kernel (part of the cache key).
+    runtime: a `T.dynamic` size; the kernel serves every value, tuning is per `bucket(value)`.
+    """
+
+    name: str
+    type: type = int
+    static: bool = True
+    values: tuple | None = None  # allowed values, or None for the [lo, hi] range
+    lo: float | None = None
+    hi: float | None = None
+    default: Any = None
+    bucket: Callable[[int], int] | None = None
+    doc: str = ""
+
+    def check(self, value: Any) -> Any:
+        """Return the canonical value or raise ShapeError naming the problem."""
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise ShapeError(f"shape param {self.name!r} must be a bool, got {value!r}")
+        elif self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                # Accept integral floats/strings from CLIs and JSON, nothing lossy.
+                try:
+                    as_int = int(str(value), 10)
+                except (TypeError, ValueError):
+                    raise ShapeError(f"shape param {self.name!r} must be an int, got {value!r}") from None
+                value = as_int
+        elif self.type is float:
+            if isinstance(value, bool):
+                raise ShapeError(f"shape param {self.name!r} must be a float, got {value!r}")
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ShapeError(f"shape param {self.name!r} must be a float, got {value!r}") from None
+            if not math.isfinite(value):
+                raise ShapeError(f"shape param {self.name!r} must be finite, got {value!r}")
+        elif self.type is str:
+            if not isinstance(value, str):
+                raise ShapeError(f"shape param {self.name!r} must be a str, got {value!r}")
+        if self.values is not None and value not in self.values:
+            raise ShapeError(f"shape param {self.name!r}={value!r} not allowed; allowed: {list(self.values)}")
+        if self.lo is not None and value < self.lo:
+            raise ShapeError(f"shape param {self.name!r}={value!r} below its minimum {self.lo}")
+        if self.hi is not None and value > self.hi:
+            raise ShapeError(f"shape param {self.name!r}={value!r} above its maximum {self.hi}")
+        return value
+
+    def describe(self) -> str:
+        if self.values is not None:
+            dom = "{" + ", ".join(map(str, self.values)) + "}"
+        else:
+            dom = f"[{self.lo if self.lo is not None else '-inf'}, {self.hi if self.hi is not None else 'inf'}]"
+        kind = "static" if self.static else "runtime"
+        extra = f", default {self.default}" if self.default is not None else ""
+        return f"{self.name}: {self.type.__name__} {dom} ({kind}{extra})"
+
+
+def Static(name: str, type: type = int, **kw: Any) -> Param:  # noqa: N802 - reads like a declaration
+    return Param(name, type=type, static=True, **kw)
+
+
+def Runtime(name: str, lo: int = 1, hi: int = 2**31 - 1, bucket=pow2_bucket, **kw: Any) -> Param:  # noqa: N802
+    return Param(name, type=int, static=False, lo=lo, hi=hi, bucket=bucket, **kw)
+
+
+Dim = str | int | Callable[[Shape], int]
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor the kernel takes or returns. dims: param names, ints, or shape -> int."""
+
+    name: str
+    dtype: str | Callable[[Shape], str]
+    dims: tuple[Dim, ...]
+
+    def resolve(self, shape: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
+        dtype = self.dtype(shape) if callable(self.dtype) else self.dtype
+        dims = tuple(
+            int(shape[d]) if isinstance(d, str) else int(d(shape)) if callable(d) else int(d) for d in self.dims
+        )
+        return dtype, dims
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How a kernel output is compared with the reference."""
+
+    exact: bool = False
+    rtol: float = 1e-5  # bound on ||out - ref|| / ||ref||
+    max_abs: float | None = None
+
+    def check(self, name: str, out, ref) -> str | None:
+        """None when out matches ref, else a message saying how it does not."""
+        import torch
+
+        if out.shape != ref.shape:
+            return f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+        if out.dtype != ref.dtype:
+            return f"{name}: dtype {out.dtype} != reference {ref.dtype}"
+        if self.exact:
+            o, r = out, ref
+            if o.dtype.is_floating_point and o.element_size() == 1:
+                o, r = o.view(torch.uint8), r.view(torch.uint8)
+            equal = torch.equal(o, r) if not o.dtype.is_floating_point else bool(
+                ((o == r) | (o.isnan() & r.isnan())).all()
+            )
+            if not equal:
+                bad = int((o != r).sum())
+                return f"{name}: {bad} of {o.numel()} elements differ from the exact reference"
+            return None
+        o, r = out.double(), ref.double()
+        if not bool(torch.isfinite(o).all()):
+            return f"{name}: {int((~torch.isfinite(o)).sum())} non-finite elements (unwritten or NaN)"
+        denom = float(r.norm()) or 1.0
+        rel = float((o - r).norm()) / denom
+        if rel > self.rtol:
+            return f"{name}: relative error {rel:.3e} > {self.rtol:.1e}"
+        if self.max_abs is not None:
+            worst = float((o - r).abs().max()) if o.numel() else 0.0
+            if worst > self.max_abs:
+                return f"{name}: max abs error {worst:.3e} > {self.max_abs:.1e}"
+        return None
+
+
+@dataclass
+class KernelSpec:
+    name: str
+    family: str
+    doc: str
+    params: tuple[Param, ...]
+    space: dict[str, tuple]
+    default: Callable[[Shape], Config]
+    build: Callable[[Shape, Config], Any]  # (static shape, config) -> tilelang PrimFunc
+    inputs: tuple[TensorArg, ...]
+    outputs: tuple[TensorArg, ...]
+    make_inputs: Callable[..., tuple]  # (shape, device, seed) -> input tensors
+    reference: Callable[..., Any]  # (shape, *inputs) -> output tensor(s)
+    bytes_moved: Callable[[Shape], int]
+    constraint: Callable[[Shape, Config], str | None] = lambda shape, config: None
+    arch_constraint: Callable[[str, Config], str | None] = lambda arch, config: None  # e.g. C target
+    pass_configs: Callable[[Config], dict[str, Any]] = lambda config: {}
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    flops: Callable[[Shape], int] | None = None
+    check_shape: Callable[[Shape], str | None] = lambda shape: None  # cross-param rules
+    examples: tuple[Shape, ...] = ()  # realistic full shapes: validation, `compile --all-defaults`, bench
+    source_hash: str = ""
+
+    # -- shapes -------------------------------------------------------------------------
+    @property
+    def static_params(self) -> tuple[Param, ...]:
+        return tuple(p for p in self.params if p.static)
+
+    @property
+    def runtime_params(self) -> tuple[Param, ...]:
+        return tuple(p for p in self.params if not p.static)
+
+    def canonical_shape(self, shape: Mapping[str, Any], *, need_runtime: bool = True) -> Shape:
+        """Validated shape with defaults filled in; errors list what is allowed."""
+        if not isinstance(shape, Mapping):
+            raise ShapeError(f"{self.name}: shape must be a mapping of param name -> value, got {shape!r}")
+        known = {p.name: p for p in self.params}
+        extra = sorted(set(shape) - set(known))
+        if extra:
+            raise ShapeError(
+                f"{self.name}: unknown shape params {extra}; expected: "
+                + "; ".join(p.describe() for p in self.params)
+            )
+        out: Shape = {}
+        missing = []
+        for p in self.params:
+            if p.name in shape:
+                out[p.name] = p.check(shape[p.name])
+            elif p.default is not None:
+                out[p.name] = p.default
+            elif p.static or need_runtime:
+                missing.append(p.describe())
+        if missing:
+            raise ShapeError(f"{self.name}: missing shape params: {'; '.join(missing)}")
+        problem = self.check_shape(out) if all(p.name in out for p in self.params) else None
+        if problem:
+            raise ShapeError(f"{self.name}: {problem}")
+        return out
+
+    def static_shape(self, shape: Mapping[str, Any]) -> Shape:
+        return {p.name: shape[p.name] for p in self.static_params}
+
+    def bucket(self, shape: Mapping[str, Any]) -> Shape:
+        """The runtime sizes mapped to their tuning buckets."""
+        return {p.name: (p.bucket or (lambda v: v))(shape[p.name]) for p in self.runtime_params if p.name in shape}
+
+    # -- configs ------------------------------------------------------------------------
+    def check_config(self, shape: Mapping[str, Any], config: Mapping[str, Any], arch: str | None = None) -> Config:
+        """Validate a full config against the space and constraints."""
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"{self.name}: config must be a mapping, got {config!r}")
+        extra = sorted(set(config) - set(self.space))
+        missing = sorted(set(self.space) - set(config))
+        if extra or missing:
+            raise ConfigError(
+                f"{self.name}: config keys {sorted(config)} do not match the space {sorted(self.space)}"
+                + (f" (unknown: {extra})" if extra else "")
+                + (f" (missing: {missing})" if missing else "")
+            )
+        for k, v in config.items():
+            allowed = self.space[k]
+            if v not in allowed or type(v) is not type(_match(allowed, v)):
+                raise ConfigError(f"{self.name}: config {k}={v!r} not in the space; allowed: {list(allowed)}")
+        cfg = {k: config[k] for k in self.space}
+        reason = self.constraint(dict(shape), cfg) or (self.arch_constraint(arch, cfg) if arch else None)
+        if reason:
+            raise ConfigError(f"{self.name}: config {cfg} not allowed for shape {dict(shape)}: {reason}")
+        return cfg
+
+    def configs(self, shape: Mapping[str, Any], arch: str | None = None) -> list[Config]:
+        """Every config in the space that the constraints allow for this shape."""
+        import itertools
+
+        keys = list(self.space)
+        out = []
+        for combo in itertools.product(*(self.space[k] for k in keys)):
+            cfg = dict(zip(keys, combo))
+            if not self.constraint(dict(shape), cfg) and not (arch and self.arch_constraint(arch, cfg)):
+                out.append(cfg)
+        return out
+
+    def default_config(self, shape: Mapping[str, Any], arch: str | None = None) -> Config:
+        cfg = self.default(dict(shape))
+        if arch and self.arch_constraint(arch, cfg):
+            # The heuristic targets GPUs; on other targets take the first allowed config.
+            allowed = self.configs(shape, arch)
+            if not allowed:
+                raise ConfigError(f"{self.name}: no config in the space supports arch {arch}")
+            cfg = allowed[0]
+        return self.check_config(shape, cfg, arch)
+
+    # -- tensors ------------------------------------------------------------------------
+    def output_decls(self, shape: Mapping[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(t.name, *t.resolve(shape)) for t in self.outputs]
+
+
+def _match(allowed: Sequence, v: Any) -> Any:
+    """The element of `allowed` equal to v (so True does not pass for 1)."""
+    for a in allowed:
+        if a == v and type(a) is type(v):
+            return a
+    return object()
+
+
+def source_hash_of(obj: Any) -> str:
+    """Hash of the source file that defines a spec: editing the spec changes its key."""
+    module = inspect.getmodule(obj)
+    try:
+        src = inspect.getsource(module) if module is not None else repr(obj)
+    except (OSError, TypeError):
+        src = repr(obj)
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def validate(spec: KernelSpec) -> None:
+    """Registration-time checks: names and domains sane, default inside the space."""
+    if not _NAME_RE.match(spec.name or ""):
+        raise SpecError(f"spec name {spec.name!r} must match {_NAME_RE.pattern}")
+    if not _NAME_RE.match(spec.family or ""):
+        raise SpecError(f"{spec.name}: family {spec.family!r} must match {_NAME_RE.pattern}")
+    names = [p.name for p in spec.params]
+    if len(set(names)) != len(names):
+        raise SpecError(f"{spec.name}: duplicate shape params in {names}")
+    for p in spec.params:
+        if not _NAME_RE.match(p.name):
+            raise SpecError(f"{spec.name}: shape param name {p.name!r} must match {_NAME_RE.pattern}")
+        if p.type not in (int, float, str, bool):
+            raise SpecError(f"{spec.name}: shape param {p.name} has unsupported type {p.type}")
+        if not p.static and p.type is not int:
+            raise SpecError(f"{spec.name}: runtime param {p.name} must be an int")
+        if p.lo is not None and p.hi is not None and p.lo > p.hi:
+            raise SpecError(f"{spec.name}: shape param {p.name} has lo > hi")
+        if p.values is not None and len(p.values) == 0:
+            raise SpecError(f"{spec.name}: shape param {p.name} has an empty domain")
+        if p.default is not None:
+            try:
+                p.check(p.default)
+            except ShapeError as e:
+                raise SpecError(f"{spec.name}: default of {p.name} outside its domain: {e}") from None
+    if not spec.space:
+        raise SpecError(f"{spec.name}: empty tunable space")
+    for k, vals in spec.space.items():
+        if not _NAME_RE.match(k):
+            raise SpecError(f"{spec.name}: tunable name {k!r} must match {_NAME_RE.pattern}")
+        if not isinstance(vals, tuple) or not vals:
+            raise SpecError(f"{spec.name}: tunable {k} needs a non-empty tuple of candidates")
+        if len(set(map(repr, vals))) != len(vals):
+            raise SpecError(f"{spec.name}: tunable {k} has duplicate candidates")
+        for v in vals:
+            if not isinstance(v, (int, float, str, bool)):
+                raise SpecError(f"{spec.name}: tunable {k} candidate {v!r} must be int, float, str or bool")
+    arg_names = [t.name for t in (*spec.inputs, *spec.outputs)]
+    if len(set(arg_names)) != len(arg_names) or not spec.outputs:
+        raise SpecError(f"{spec.name}: tensor names must be unique and there must be an output: {arg_names}")
+    for t in (*spec.inputs, *spec.outputs):
+        for d in t.dims:
+            if isinstance(d, str) and d not in names:
+                raise SpecError(f"{spec.name}: tensor {t.name} names unknown dim {d!r}")
+    if not spec.examples:
+        raise SpecError(f"{spec.name}: give at least one example shape")
+    for ex in spec.examples:
+        try:
+            full = spec.canonical_shape(ex)
+            spec.default_config(full)
+        except (ShapeError, ConfigError) as e:
+            raise SpecError(f"{spec.name}: example {ex} or its default config is invalid: {e}") from None
+    if not spec.source_hash:
+        spec.source_hash = source_hash_of(spec.build)

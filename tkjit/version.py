@@ -1,0 +1,3 @@
+__version__ = "0.1.0"
+# Bump when the on-disk artifact layout or its ABI metadata changes: old entries then miss.
+ARTIFACT_FORMAT = 1
