@@ -66,7 +66,9 @@ def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str
             pass_configs=spec.pass_configs(dict(config)) or None,
         )
     except Exception as e:
-        raise CompileError(f"{spec.name}: TileLang failed on config {config} for {arch}: {type(e).__name__}: {e}") from e
+        raise CompileError(
+            f"{spec.name}: TileLang failed on config {config} for {arch}: {type(e).__name__}: {e}"
+        ) from e
     out_dir = Path(out_dir)
     src = kernel.get_kernel_source() or ""
     (out_dir / KERNEL_SRC).write_text(src)
@@ -81,15 +83,16 @@ def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str
     return {"abi": abi, "lib": KERNEL_LIB}
 
 
-def _worker(args: tuple) -> tuple[int, str | None]:
-    idx, name, static_shape, config, arch, out_dir = args
+def _worker(args: tuple) -> tuple[int, str | None, str | None]:
+    idx, name, static_shape, config, arch, source = args
+    from tkjit.api import ensure_entry
     from tkjit.registry import get_spec
 
     try:
-        compile_to_dir(get_spec(name), static_shape, config, arch, Path(out_dir))
-        return idx, None
+        _, key = ensure_entry(get_spec(name), static_shape, config, arch, source)
+        return idx, key, None
     except Exception as e:  # reported per variant; one bad config must not stop the batch
-        return idx, f"{type(e).__name__}: {e}"
+        return idx, None, f"{type(e).__name__}: {e}"
 
 
 def default_jobs() -> int:
@@ -99,22 +102,24 @@ def default_jobs() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def compile_many(jobs: Sequence[tuple[str, dict, dict, str, str]], n_jobs: int | None = None) -> list[str | None]:
-    """Compile (name, static_shape, config, arch, out_dir) tuples over a process pool.
+def compile_many(
+    jobs: Sequence[tuple[str, dict, dict, str, str]], n_jobs: int | None = None
+) -> list[tuple[str | None, str | None]]:
+    """Compile and publish (name, static_shape, config, arch, config_source) variants over a process pool.
 
-    Returns one error message (or None) per job, in order. Specs are looked up by name in the
-    workers, so they must be importable there (built-in or registered through an entry point).
+    Returns (key, error) per job, in order. Specs are looked up by name in the workers, so they must
+    be importable there (built-in, or registered through a `tkjit.specs` entry point).
     """
     import multiprocessing as mp
 
     n = min(n_jobs or default_jobs(), max(1, len(jobs)))
-    results: list[str | None] = [None] * len(jobs)
+    results: list[tuple[str | None, str | None]] = [(None, None)] * len(jobs)
     if n == 1:
         for i, j in enumerate(jobs):
-            results[i] = _worker((i, *j))[1]
+            results[i] = _worker((i, *j))[1:]
         return results
     # spawn: a forked TVM/CUDA state is not safe to reuse in the children.
     with ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn")) as ex:
-        for i, err in ex.map(_worker, [(i, *j) for i, j in enumerate(jobs)]):
-            results[i] = err
+        for i, key, err in ex.map(_worker, [(i, *j) for i, j in enumerate(jobs)]):
+            results[i] = (key, err)
     return results
