@@ -1,0 +1,43 @@
+import os
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+HAS_CUDA = _has_cuda()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private, empty cache for one test; the in-process memo is reset around it."""
+    import tkjit
+
+    d = tmp_path / "cache"
+    monkeypatch.setenv("TKJIT_CACHE_DIR", str(d))
+    tkjit.reset()
+    yield d
+    tkjit.reset()
+
+
+@pytest.fixture(autouse=True)
+def _no_user_cache(tmp_path_factory, monkeypatch):
+    # Tests never touch the developer's real cache.
+    if "TKJIT_CACHE_DIR" not in os.environ:
+        monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path_factory.mktemp("default-cache")))
