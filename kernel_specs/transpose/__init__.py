@@ -1,0 +1,1 @@
+"""Data-movement kernels: transposes."""

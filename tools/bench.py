@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Benchmark every kernel: tkjit (default and tuned) vs TileKernels vs torch eager vs torch.compile.
+
+    python tools/bench.py [--kernels sinkhorn_fwd ...] [--json out.json] [--reps 50]
+
+Median of CUDA-event timings, L2 flushed before each run, fresh random inputs, warm-up excluded;
+the copy ceiling is measured in the same run. Prints one table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import tkjit  # noqa: E402
+from baselines import SHAPES, TILE_KERNELS, TORCH  # noqa: E402
+from tkjit import key as tkkey  # noqa: E402
+from tkjit.timing import copy_ceiling_gbs, median, spread, time_cuda  # noqa: E402
+
+
+def _row(kernel, shape, impl, us, sp, nbytes, ceiling, note=""):
+    gbs = nbytes / (us * 1e-6) / 1e9 if us else None
+    return {
+        "kernel": kernel, "shape": shape, "impl": impl, "us": us, "spread": sp,
+        "gbs": gbs, "pct_ceiling": 100 * gbs / ceiling if gbs else None, "note": note,
+    }
+
+
+def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: bool) -> list[dict]:
+    spec = tkjit.get_spec(name)
+    rows = []
+    for shape in shapes:
+        full = spec.canonical_shape(shape)
+        nbytes = spec.bytes_moved(full)
+        inputs = spec.make_inputs(full, device="cuda", seed=1)
+        label = ",".join(f"{k}={v}" for k, v in shape.items())
+        floor_us = nbytes / (ceiling * 1e9) * 1e6
+        rows.append(_row(name, label, "copy floor", floor_us, 0.0, nbytes, ceiling))
+        impls = []
+        default_cfg = spec.default_config(full, "sm_90a")
+        kd = tkjit.get(name, full, config=default_cfg)
+        impls.append(("tkjit default", lambda kd=kd: kd(*inputs), str(default_cfg)))
+        kt = tkjit.get(name, full)
+        if kt.config_source != "default" and kt.config != default_cfg:
+            impls.append((f"tkjit {kt.config_source}", lambda kt=kt: kt(*inputs), str(kt.config)))
+        tk = TILE_KERNELS.get(name)
+        f = tk(full, inputs) if tk else None
+        if f is not None:
+            impls.append(("TileKernels", f, "shipped config"))
+        tf = TORCH.get(name)
+        if tf is not None:
+            eager = tf(full)
+            impls.append(("torch eager", lambda: eager(*inputs), ""))
+            if with_compile:
+                compiled = torch.compile(eager, dynamic=False)
+                impls.append(("torch.compile", lambda: compiled(*inputs), ""))
+        for impl, fn, note in impls:
+            try:
+                ts = time_cuda(fn, reps=reps)
+                rows.append(_row(name, label, impl, median(ts), spread(ts), nbytes, ceiling, note))
+            except Exception as e:  # one broken baseline must not lose the table
+                rows.append(_row(name, label, impl, None, None, nbytes, ceiling, f"failed: {type(e).__name__}: {e}"))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ["kernel", "shape", "impl", "us", "GB/s", "% ceiling", "spread", "note"]
+    body = [
+        [r["kernel"], r["shape"], r["impl"], f"{r['us']:.1f}" if r["us"] else "-",
+         f"{r['gbs']:.0f}" if r["gbs"] else "-", f"{r['pct_ceiling']:.0f}%" if r["pct_ceiling"] else "-",
+         f"{100 * r['spread']:.1f}%" if r["spread"] else "-", r["note"][:70]]
+        for r in rows
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    for line in [header, ["-" * w for w in widths], *body]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", nargs="*", default=None)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
+    args = ap.parse_args()
+    names = args.kernels or [s.name for s in tkjit.all_specs() if s.name in SHAPES]
+    ceiling = copy_ceiling_gbs()
+    rows = []
+    for name in names:
+        rows += bench_kernel(name, SHAPES[name], args.reps, ceiling, not args.no_compile)
+    meta = {
+        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+        "copy_ceiling_gbs": round(ceiling, 1), "torch": torch.__version__, "tkjit": tkjit.__version__,
+        "tilelang": tkkey.tilelang_version(), "nvcc": tkkey.nvcc_version(),
+    }
+    print(f"# {meta['gpu']}  copy ceiling {ceiling:.0f} GB/s  {meta['date']}  tilelang {meta['tilelang']}  "
+          f"torch {meta['torch']}")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

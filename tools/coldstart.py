@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""How long a fresh process takes to get a cached kernel and launch it, and the memo-hit cost.
+
+    python tools/coldstart.py [--kernel sinkhorn_fwd] [--shape num_tokens=65536] [--runs 5]
+
+Fills the cache once, then starts fresh processes that time, after `import torch`:
+  ctx      CUDA context + the input tensor (paid by any CUDA program, not by tkjit)
+  import   `import tkjit`
+  get      `tkjit.get(...)` from disk (key, verify sha256, dlopen)
+  launch   first call + synchronize
+and whether TileLang (the compiler) was imported at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    t0 = time.perf_counter()
+    name, shape = sys.argv[1], json.loads(sys.argv[2])
+    if torch.cuda.is_available():
+        torch.cuda.init(); torch.empty(1, device="cuda"); torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    import tkjit
+    t2 = time.perf_counter()
+    k = tkjit.get(name, shape)
+    t3 = time.perf_counter()
+    spec = tkjit.get_spec(name)
+    inputs = spec.make_inputs(spec.canonical_shape(shape), device="cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+    t4 = time.perf_counter()
+    k(*inputs)
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+    t5 = time.perf_counter()
+    n = 200000
+    s = time.perf_counter()
+    for _ in range(n):
+        tkjit.get(name, shape)
+    memo_us = (time.perf_counter() - s) / n * 1e6
+    print(json.dumps({"ctx_ms": (t1-t0)*1e3, "import_ms": (t2-t1)*1e3, "get_ms": (t3-t2)*1e3,
+                      "launch_ms": (t5-t4)*1e3, "tkjit_total_ms": (t3-t1 + t5-t4)*1e3, "memo_us": memo_us,
+                      "source": k.config_source, "tilelang_imported": "tilelang" in sys.modules,
+                      "tvm_compiler_loaded": "tvm" in sys.modules}))
+    """
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", default="sinkhorn_fwd")
+    ap.add_argument("--shape", nargs="*", default=["num_tokens=65536"])
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    shape = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.shape)}
+    subprocess.run([sys.executable, "-c", CHILD, args.kernel, json.dumps(shape)], check=True,
+                   capture_output=True)  # warm the cache (compiles if cold)
+    runs = []
+    for _ in range(args.runs):
+        out = subprocess.run([sys.executable, "-c", CHILD, args.kernel, json.dumps(shape)], check=True,
+                             capture_output=True, text=True).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    keys = ["ctx_ms", "import_ms", "get_ms", "launch_ms", "tkjit_total_ms", "memo_us"]
+    print(f"{args.kernel} {shape}: {args.runs} fresh processes (median), config from {runs[0]['source']}")
+    for k in keys:
+        print(f"  {k:15s} {statistics.median(r[k] for r in runs):8.2f}")
+    print(f"  tilelang imported: {any(r['tilelang_imported'] for r in runs)}; "
+          f"tvm compiler loaded: {any(r['tvm_compiler_loaded'] for r in runs)}")
+    print(json.dumps(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
