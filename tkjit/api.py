@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 import threading
 import time
 import warnings
@@ -13,7 +12,7 @@ from typing import Any
 
 from tkjit import loader
 from tkjit.arch import resolve_arch
-from tkjit.cache import Cache, Entry
+from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed, _private_tempdir
 from tkjit.errors import CacheError, ConfigError
 from tkjit.kernel import CompiledKernel
 from tkjit.key import key_material, key_of
@@ -112,8 +111,15 @@ def entry_key(spec: KernelSpec, static: dict, cfg: dict, arch: str) -> tuple[str
     return key_of(material), material
 
 
-def ensure_entry(spec: KernelSpec, static: dict, cfg: dict, arch: str, source: str = "explicit") -> tuple[Entry, str]:
-    """The verified cache entry for this variant, compiled and published if absent."""
+def ensure_entry(
+    spec: KernelSpec, static: dict, cfg: dict, arch: str, source: str = "explicit", *, pin: bool = True
+) -> tuple[Entry, str]:
+    """The verified cache entry for this variant, compiled and published if absent.
+
+    pin: mark the entry in use by this process (eviction skips it) before it is verified, so it
+    cannot be pruned between verification and loading. A cache that cannot be written (read-only
+    or full disk) still serves the kernel, built into a private temp dir, with one warning.
+    """
     from tkjit.compiler import compile_to_dir
 
     key, material = entry_key(spec, static, cfg, arch)
@@ -127,28 +133,50 @@ def ensure_entry(spec: KernelSpec, static: dict, cfg: dict, arch: str, source: s
         "toolchain": material["toolchain"],
         "spec_source": spec.source_hash,
     }
+    expect = {k: meta[k] for k in KEY_FIELDS}
+    build_error: list[BaseException] = []
 
     def build(staging: Path) -> dict:
+
         t0 = time.perf_counter()
-        extra = compile_to_dir(spec, static, cfg, arch, staging)
+        try:
+            extra = compile_to_dir(spec, static, cfg, arch, staging)
+        except BaseException as e:
+            build_error.append(e)
+            raise
         extra["compile_s"] = round(time.perf_counter() - t0, 3)
         return extra
 
+    c = cache()
     try:
-        return cache().get_or_build(key, meta, build), key
+        if pin:
+            c.pin(key)
+        return c.get_or_build(key, meta, build, expect=expect), key
     except CacheError:
         raise
-    except OSError as e:
+    except PublishFailed as e:  # built, but the disk refused it: serve what was built
+        if e.entry is not None:
+            _warn_unwritable(e)
+            return e.entry, key
         return _build_in_memory(key, meta, build, e), key
+    except OSError as e:
+        if build_error and (build_error[-1] is not e or e.errno not in DISK_ERRNOS):
+            raise  # the compiler failed, not the cache: compiling again would fail again
+        build_error.clear()
+        return _build_in_memory(key, meta, build, e), key
+
+
+def _warn_unwritable(err: OSError) -> None:
+    global _warned_readonly
+    if not _warned_readonly:
+        _warned_readonly = True
+        warnings.warn(f"tkjit: cache not writable ({err}); compiling without caching", stacklevel=5)
 
 
 def _build_in_memory(key: str, meta: dict, build, err: OSError) -> Entry:
     """Read-only or full cache disk: still serve the kernel, from a private temp dir, once warned."""
-    global _warned_readonly
-    if not _warned_readonly:
-        warnings.warn(f"tkjit: cache not writable ({err}); compiling without caching", stacklevel=4)
-        _warned_readonly = True
-    tmp = Path(tempfile.mkdtemp(prefix="tkjit-"))
+    _warn_unwritable(err)
+    tmp = _private_tempdir()
     try:
         extra = build(tmp)
     except BaseException:

@@ -79,7 +79,10 @@ def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str
         abi = {"loader": "ctypes", "dynamic": _dynamic_args(func)}
     else:
         kernel.adapter.get_exportable_executable().export_library(str(out_dir / KERNEL_LIB))
-        abi = {"loader": "tvm_ffi"}
+        host = kernel.adapter.get_host_source() or ""
+        # TMA kernels build their tensor maps on the host through a function registered by
+        # libtilelang.so; record it so the loader brings that library in only when needed.
+        abi = {"loader": "tvm_ffi", "tilelang_runtime": "__tvm_tensormap_create" in host}
     return {"abi": abi, "lib": KERNEL_LIB}
 
 

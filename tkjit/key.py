@@ -22,6 +22,17 @@ from tkjit.version import ARTIFACT_FORMAT, __version__
 
 @functools.lru_cache(maxsize=1)
 def tilelang_version() -> str:
+    """The installed tilelang's version, without importing it (that takes seconds)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tilelang")
+    if spec is None or not spec.submodule_search_locations:
+        return "none"
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    # The dist-info beside the package answers in microseconds; importlib.metadata scans sys.path.
+    found = sorted(site.glob("tilelang-*.dist-info"))
+    if len(found) == 1:
+        return found[0].name[len("tilelang-"): -len(".dist-info")]
     from importlib.metadata import PackageNotFoundError, version
 
     try:

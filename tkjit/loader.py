@@ -53,8 +53,22 @@ def _import_tvm_ffi():
     return tvm_ffi
 
 
+_tl_loaded = False
+
+
+def _load_tilelang_runtime() -> None:
+    """libtilelang.so (C++ only, no Python import): registers the TMA tensor-map builders."""
+    global _tl_loaded
+    with _rt_lock:
+        if not _tl_loaded:
+            ctypes.CDLL(str(_tilelang_lib_dir() / "libtilelang.so"), mode=ctypes.RTLD_GLOBAL)
+            _tl_loaded = True
+
+
 def _load_tvm_ffi(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
     tvm_ffi = _import_tvm_ffi()
+    if meta["abi"].get("tilelang_runtime", True) and not _tl_loaded:
+        _load_tilelang_runtime()
     mod = tvm_ffi.load_module(str(lib))
     fn = mod["main"]
 

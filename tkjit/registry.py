@@ -29,7 +29,8 @@ def register(spec: KernelSpec, *, replace: bool = False) -> KernelSpec:
     return spec
 
 
-def _load_builtin() -> None:
+def _load_all() -> None:
+    """Import every built-in spec module and every `tkjit.specs` entry point (once)."""
     global _loaded
     if _loaded:
         return
@@ -54,14 +55,26 @@ def _load_builtin() -> None:
 
 def get_spec(name: str) -> KernelSpec:
     spec = _SPECS.get(name)
-    if spec is None:
-        _load_builtin()
-        spec = _SPECS.get(name)
+    if spec is not None:
+        return spec
+    with _lock:
+        import kernel_specs
+
+        module = kernel_specs.INDEX.get(name) if isinstance(name, str) else None
+        if module is not None:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as e:
+                if e.name != module:  # the spec exists but one of its imports does not
+                    raise
+    if name not in _SPECS:
+        _load_all()
+    spec = _SPECS.get(name)
     if spec is None:
         raise UnknownKernelError(f"unknown kernel {name!r}; known kernels: {sorted(_SPECS)}")
     return spec
 
 
 def all_specs() -> list[KernelSpec]:
-    _load_builtin()
+    _load_all()
     return [_SPECS[k] for k in sorted(_SPECS)]

@@ -18,9 +18,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from baselines import SHAPES, TILE_KERNELS, TORCH  # noqa: E402
 
 import tkjit  # noqa: E402
-from baselines import SHAPES, TILE_KERNELS, TORCH  # noqa: E402
 from tkjit import key as tkkey  # noqa: E402
 from tkjit.timing import copy_ceiling_gbs, median, spread, time_cuda  # noqa: E402
 

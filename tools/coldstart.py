@@ -53,11 +53,40 @@ CHILD = textwrap.dedent(
 )
 
 
+BREAKDOWN = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    torch.empty(1, device="cuda"); torch.cuda.synchronize()
+    T = time.perf_counter
+    steps = {}
+    t = T(); import tkjit; from tkjit import api, registry, arch as A, loader; steps["import tkjit"] = T() - t
+    name, shape = sys.argv[1], json.loads(sys.argv[2])
+    t = T(); spec = registry.get_spec(name); steps["get_spec (import spec module)"] = T() - t
+    t = T(); full = spec.canonical_shape(shape); a = A.resolve_arch(None); steps["shape + arch"] = T() - t
+    t = T(); cfg, src = api.choose_config(spec, full, a, None); steps["choose_config (tuning DB)"] = T() - t
+    t = T(); key, _ = api.entry_key(spec, spec.static_shape(full), cfg, a); steps["cache key"] = T() - t
+    t = T(); e, _ = api.ensure_entry(spec, spec.static_shape(full), cfg, a); steps["verify entry"] = T() - t
+    t = T(); loader._import_tvm_ffi(); steps["import tvm_ffi + libtvm_runtime"] = T() - t
+    if e.meta["abi"].get("tilelang_runtime"):
+        t = T(); loader._load_tilelang_runtime(); steps["libtilelang.so (TMA kernels)"] = T() - t
+    t = T(); fn = loader.load(e.file(e.meta["lib"]), e.meta); steps["load module"] = T() - t
+    x = spec.make_inputs(full, device="cuda")
+    outs = [torch.empty(d, dtype=getattr(torch, dt), device="cuda") for _, dt, d in spec.output_decls(full)]
+    torch.cuda.synchronize()
+    t = T(); fn(*x, *outs); torch.cuda.synchronize(); steps["first launch + sync"] = T() - t
+    t = T(); fn(*x, *outs); torch.cuda.synchronize(); steps["second launch + sync"] = T() - t
+    print(json.dumps({k: v * 1e3 for k, v in steps.items()}))
+    """
+)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", default="sinkhorn_fwd")
     ap.add_argument("--shape", nargs="*", default=["num_tokens=65536"])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--breakdown", action="store_true", help="also time each step of one fresh get")
     args = ap.parse_args()
     shape = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.shape)}
     subprocess.run([sys.executable, "-c", CHILD, args.kernel, json.dumps(shape)], check=True,
@@ -74,6 +103,12 @@ def main() -> int:
     print(f"  tilelang imported: {any(r['tilelang_imported'] for r in runs)}; "
           f"tvm compiler loaded: {any(r['tvm_compiler_loaded'] for r in runs)}")
     print(json.dumps(runs))
+    if args.breakdown:
+        out = subprocess.run([sys.executable, "-c", BREAKDOWN, args.kernel, json.dumps(shape)], check=True,
+                             capture_output=True, text=True).stdout
+        print("breakdown of one fresh process (ms):")
+        for k, v in json.loads(out.strip().splitlines()[-1]).items():
+            print(f"  {k:36s} {v:8.2f}")
     return 0
 
 

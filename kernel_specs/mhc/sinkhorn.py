@@ -23,11 +23,16 @@ SMEM_LIMIT = 48 * 1024  # stay under the default dynamic shared memory cap
 
 
 def default(shape):
-    n = shape["n"]
-    # One token per thread, reciprocals instead of divides: the arithmetic stays off the critical
-    # path, and 256-token blocks of 128 threads give each thread two independent tokens in flight.
-    return {"layout": "thread", "block_tokens": 256 if n <= 4 else 64, "threads": 128 if n <= 4 else 64,
-            "fast_math": False, "recip": True}
+    n, tokens = shape["n"], shape.get("num_tokens", 1 << 20)
+    # One token per thread, reciprocals instead of divides (4 per normalisation, not n*n). Small
+    # batches need small blocks to spread over all 132 SMs; large ones amortise more per block.
+    if tokens <= 16384 or n > 4:
+        bt, th = 32, 32
+    elif tokens <= 131072:
+        bt, th = 128, 128
+    else:
+        bt, th = 256, 128
+    return {"layout": "thread", "block_tokens": bt, "threads": th, "fast_math": False, "recip": True}
 
 
 def constraint(shape, c):
