@@ -206,7 +206,7 @@ def cmd_doctor(args) -> int:
     ok = True
     try:
         cache().ensure()
-        rows.append(["cache perms", "ok (private to uid %d)" % os.getuid()])
+        rows.append(["cache perms", f"ok (private to uid {os.getuid()})"])
     except CacheError as e:
         rows.append(["cache perms", f"PROBLEM: {e}"])
         ok = False

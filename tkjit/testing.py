@@ -30,7 +30,9 @@ def poisoned_outputs(kernel: CompiledKernel, sizes: dict[str, Any], device) -> l
     return outs
 
 
-def check(kernel: CompiledKernel, shape: dict[str, Any], *, device: str | torch.device = "cuda", seed: int = 0) -> str | None:
+def check(
+    kernel: CompiledKernel, shape: dict[str, Any], *, device: str | torch.device = "cuda", seed: int = 0
+) -> str | None:
     """Run `kernel` at `shape` (full: static + runtime) against the spec's reference.
 
     Returns None when every output matches, else the first mismatch as a message.

@@ -46,10 +46,10 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
         impls = []
         default_cfg = spec.default_config(full, "sm_90a")
         kd = tkjit.get(name, full, config=default_cfg)
-        impls.append(("tkjit default", lambda kd=kd: kd(*inputs), str(default_cfg)))
+        impls.append(("tkjit default", lambda kd=kd, inputs=inputs: kd(*inputs), str(default_cfg)))
         kt = tkjit.get(name, full)
         if kt.config_source != "default" and kt.config != default_cfg:
-            impls.append((f"tkjit {kt.config_source}", lambda kt=kt: kt(*inputs), str(kt.config)))
+            impls.append((f"tkjit {kt.config_source}", lambda kt=kt, inputs=inputs: kt(*inputs), str(kt.config)))
         tk = TILE_KERNELS.get(name)
         f = tk(full, inputs) if tk else None
         if f is not None:
@@ -57,10 +57,10 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
         tf = TORCH.get(name)
         if tf is not None:
             eager = tf(full)
-            impls.append(("torch eager", lambda: eager(*inputs), ""))
+            impls.append(("torch eager", lambda f=eager, inputs=inputs: f(*inputs), ""))
             if with_compile:
                 compiled = torch.compile(eager, dynamic=False)
-                impls.append(("torch.compile", lambda: compiled(*inputs), ""))
+                impls.append(("torch.compile", lambda f=compiled, inputs=inputs: f(*inputs), ""))
         for impl, fn, note in impls:
             try:
                 ts = time_cuda(fn, reps=reps)
