@@ -1,0 +1,1 @@
+"""MoE routing kernels."""

@@ -1,0 +1,276 @@
+"""topk_gate: the k highest-scoring experts of every token, best first, ties to the smaller index.
+
+scores (num_tokens, num_experts) float32 -> indices (num_tokens, k) int64, equal to
+`torch.sort(scores, -1, descending=True, stable=True).indices[:, :k]` (TileKernels' `stable_topk`).
+-0.0 and +0.0 compare equal (as in torch); NaN scores are not supported.
+
+Layout: a token is owned by a group of `lanes` consecutive lanes of one warp (1 = a thread per
+token, 32 = a warp per token). Lane l holds num_experts / lanes scores in registers, loaded in
+chunks of `vec` consecutive experts: chunk c = j * lanes + l covers experts [c * vec, c * vec + vec),
+so a warp's loads are coalesced and, inside one lane, the expert index grows with the register slot.
+
+Scores become order-preserving uint32 keys (-0 folded into +0); key 0 marks "taken". Two ways to
+pick k winners, `cache`:
+  0     k rounds of: lane-local argmax over all its keys, group reduction on (key, index) with the
+        tie rule, the owner clears the winner. ~5 ALU ops per register per round.
+  t>0   each lane first keeps a sorted list of its t best (key, index); the k rounds only reduce the
+        list heads and the winner pops its head (O(t) per round, independent of num_experts). If a
+        lane's list runs dry while rounds remain and it has more scores than t, its next-best is
+        unknown: the warp then redoes its tokens with the `cache=0` rounds (always exact; for
+        random scores, a warp per token and k=8 that is ~2% of tokens with cache=3, ~45% with 2).
+Group reductions use `shfl` butterflies, or for a warp per token `redux` (`redux.sync` max on the
+key, then min on the index among lanes holding the max: two instructions instead of ten shuffles).
+"""
+
+import torch
+
+from tkjit.registry import register
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+
+EXPERTS = (16, 32, 64, 128, 256, 384, 512)
+MAX_PER_LANE = 64  # registers of keys per lane (plus the float staging copy): beyond this it spills
+
+
+def default(shape):
+    e, k = shape["num_experts"], shape["k"]
+    # A warp per token for wide rows (8-16 scores per lane, redux reductions, head lists: the k
+    # rounds cost O(1) each); narrower groups for small expert counts so no lane idles.
+    lanes = 32 if e >= 256 else max(1, min(32, e // 8))
+    vec = 4 if (e // lanes) % 4 == 0 else 1
+    per_lane = e // lanes
+    # Head lists pay off while a lane rarely supplies more than `cache` of the k winners (random
+    # scores, a warp per token: 3 entries fall back on ~2% of tokens at k=8, 2 entries on ~45%).
+    cache = 3 if lanes == 32 and k <= 8 else 4
+    if cache >= per_lane or k == 1 or 4 * k > lanes * cache:
+        cache = 0
+    return {
+        "lanes": lanes,
+        "vec": vec,
+        "threads": 128,
+        "tokens_per_group": 1,
+        "cache": cache,
+        "reduce": "redux" if lanes == 32 else "shfl",
+    }
+
+
+def check_shape(shape):
+    if shape["k"] > shape["num_experts"]:
+        return f"k={shape['k']} must be <= num_experts={shape['num_experts']}"
+    return None
+
+
+def constraint(shape, c):
+    e, lanes, vec = shape["num_experts"], c["lanes"], c["vec"]
+    if e % (lanes * vec):
+        return f"num_experts={e} is not a multiple of lanes*vec={lanes * vec}"
+    per_lane = e // lanes
+    if per_lane > MAX_PER_LANE:
+        return f"{per_lane} scores per lane would spill (max {MAX_PER_LANE})"
+    if c["threads"] % lanes:
+        return "threads must be a multiple of lanes"
+    if c["reduce"] == "redux" and lanes != 32:
+        return "redux.sync reduces a whole warp: needs lanes=32"
+    if c["cache"] and c["cache"] >= per_lane:
+        return "cache holds every score of a lane: same as cache=0"
+    if c["cache"] and shape["k"] == 1:
+        return "k=1 is a single round: cache adds nothing"
+    return None
+
+
+def arch_constraint(arch, c):
+    if arch == "cpu":
+        return "needs warp shuffles: CUDA targets only"
+    if c["reduce"] == "redux" and int(arch[3:].rstrip("af")) < 80:
+        return "redux.sync needs sm_80 or newer"
+    return None
+
+
+def build(shape, c):
+    from tilelang import language as T
+
+    E, K = shape["num_experts"], shape["k"]
+    L, vec, threads, tpg = c["lanes"], c["vec"], c["threads"], c["tokens_per_group"]
+    cache, use_redux = c["cache"], c["reduce"] == "redux"
+    per_lane = E // L
+    LOG_L = L.bit_length() - 1
+    groups = threads // L  # tokens in flight per block
+    block_tokens = groups * tpg
+    nres = (K + L - 1) // L  # results each lane stores
+    num_tokens = T.dynamic("num_tokens")
+    u32, i32 = T.uint32, T.int32
+    FULL = T.uint32(0xFFFFFFFF)
+    NONE = T.uint32(0xFFFFFFFF)  # "no index" for the min-reduction
+
+    def slot_index(s):
+        # Expert index of register slot s of this lane, minus lane * vec.
+        return (s // vec) * (L * vec) + s % vec
+
+    @T.macro
+    def reduce_pair(key, gi):
+        # (key, gi) <- the group's best pair: larger key, then smaller index. Every lane gets it.
+        if use_redux:
+            m = T.call_extern("uint32", "__reduce_max_sync", FULL, key[0])
+            gi[0] = T.call_extern("uint32", "__reduce_min_sync", FULL, T.if_then_else(key[0] == m, gi[0], NONE))
+            key[0] = m
+        else:
+            for step in T.unroll(LOG_L):
+                off = (L // 2) >> step
+                ok = T.shfl_xor(key[0], off)
+                oi = T.shfl_xor(gi[0], off)
+                take = (ok > key[0]) | ((ok == key[0]) & (oi < gi[0]))
+                key[0] = T.if_then_else(take, ok, key[0])
+                gi[0] = T.if_then_else(take, oi, gi[0])
+
+    @T.macro
+    def record(res, r, gi, lane):
+        if lane == r % L:
+            res[r // L] = gi[0]
+
+    @T.macro
+    def rescan_rounds(keys, res, bk, gi, lane, lane_off):
+        for r in T.unroll(K):
+            bk[0] = keys[0]
+            gi[0] = T.uint32(slot_index(0)) + lane_off
+            for s in T.unroll(1, per_lane):
+                better = keys[s] > bk[0]
+                bk[0] = T.if_then_else(better, keys[s], bk[0])
+                gi[0] = T.if_then_else(better, T.uint32(slot_index(s)) + lane_off, gi[0])
+            reduce_pair(bk, gi)
+            record(res, r, gi, lane)
+            if r + 1 < K:
+                for s in T.unroll(per_lane):
+                    keys[s] = T.if_then_else(gi[0] == T.uint32(slot_index(s)) + lane_off, T.uint32(0), keys[s])
+
+    @T.prim_func
+    def topk_gate(
+        scores: T.Tensor[(num_tokens, E), T.float32],
+        topk_idx: T.Tensor[(num_tokens, K), T.int64],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, block_tokens), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            xs = T.alloc_local((per_lane,), T.float32)
+            keys = T.alloc_local((per_lane,), u32)
+            res = T.alloc_local((nres,), u32)
+            bk = T.alloc_local((1,), u32)
+            gi = T.alloc_local((1,), u32)
+            if cache > 0:
+                hk = T.alloc_local((cache,), u32)
+                hi = T.alloc_local((cache,), u32)
+                bad = T.alloc_local((1,), i32)
+            lane = tx % L
+            lane_off = T.cast(lane * vec, u32)
+            for it in T.serial(tpg):
+                tok = bx * block_tokens + it * groups + tx // L
+                tc = T.min(tok, num_tokens - 1)  # tail groups compute a valid row, store nothing
+                for j in T.unroll(per_lane // vec):
+                    for v in T.vectorized(vec):
+                        xs[j * vec + v] = scores[tc, (j * L + lane) * vec + v]
+                for s in T.unroll(per_lane):
+                    # Order-preserving key; adding +0 turns -0 into +0 so they tie like in torch.
+                    b = T.reinterpret(T.ieee_add(xs[s], T.float32(0.0)), u32)
+                    keys[s] = b ^ (T.reinterpret(T.reinterpret(b, i32) >> 31, u32) | T.uint32(0x80000000))
+                for q in T.unroll(nres):
+                    res[q] = T.uint32(0)
+                if cache:
+                    for j in T.unroll(cache):
+                        hk[j] = T.uint32(0)
+                        hi[j] = NONE
+                    for s in T.unroll(per_lane):
+                        # Insert (keys[s], index) into the descending list; equal keys keep the
+                        # earlier (smaller) index first because slots are visited in index order.
+                        # From the tail up, so entry j-1 is still the old one when j reads it.
+                        mine = T.uint32(slot_index(s)) + lane_off
+                        for jj in T.unroll(cache):
+                            j = cache - 1 - jj
+                            up = T.max(j - 1, 0)
+                            shift = (j > 0) & (keys[s] > hk[up])
+                            hi[j] = T.if_then_else(keys[s] > hk[j], T.if_then_else(shift, hi[up], mine), hi[j])
+                            hk[j] = T.if_then_else(keys[s] > hk[j], T.if_then_else(shift, hk[up], keys[s]), hk[j])
+                    bad[0] = 0
+                    for r in T.unroll(K):
+                        # An empty list with unseen scores left: this lane's next-best is unknown.
+                        bad[0] = bad[0] | T.if_then_else(hk[0] == T.uint32(0), 1, 0)
+                        bk[0] = hk[0]
+                        gi[0] = hi[0]
+                        reduce_pair(bk, gi)
+                        record(res, r, gi, lane)
+                        if r + 1 < K:
+                            won = hi[0] == gi[0]
+                            for j in T.unroll(cache - 1):
+                                hk[j] = T.if_then_else(won, hk[j + 1], hk[j])
+                                hi[j] = T.if_then_else(won, hi[j + 1], hi[j])
+                            hk[cache - 1] = T.if_then_else(won, T.uint32(0), hk[cache - 1])
+                            hi[cache - 1] = T.if_then_else(won, NONE, hi[cache - 1])
+                    if T.any_sync(bad[0]) != 0:
+                        rescan_rounds(keys, res, bk, gi, lane, lane_off)
+                else:
+                    rescan_rounds(keys, res, bk, gi, lane, lane_off)
+                if tok < num_tokens:
+                    for q in T.unroll(nres):
+                        if q * L + lane < K:
+                            topk_idx[tok, q * L + lane] = T.cast(res[q], T.int64)
+
+    return topk_gate
+
+
+def make_inputs(shape, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n, e = shape["num_tokens"], shape["num_experts"]
+    x = torch.randn(n, e, generator=g, dtype=torch.float32)
+    if seed % 2 == 1:
+        # Odd seeds: coarse values (ties everywhere), signed zeros, infinities.
+        x = (x * 4).round() / 4
+        x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+        if n * e > 8:
+            flat = x.view(-1)
+            pos = torch.randint(0, n * e, (max(1, n * e // 64),), generator=g)
+            flat[pos] = torch.where(torch.rand(pos.numel(), generator=g) < 0.5, float("inf"), float("-inf"))
+    return (x.to(device),)
+
+
+def reference(shape, scores):
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : shape["k"]].contiguous()
+
+
+def pass_configs(c):
+    return {"tl.disable_warp_specialized": True}
+
+
+SPEC = register(
+    KernelSpec(
+        name="topk_gate",
+        family="moe",
+        doc="indices of the k best experts per token (descending, ties to the smaller index)",
+        params=(
+            Runtime("num_tokens", hi=1 << 24, doc="tokens; runtime size, tuned per power-of-two bucket"),
+            Static("num_experts", values=EXPERTS, default=256, doc="experts (scores per token)"),
+            Static("k", lo=1, hi=16, default=8, doc="experts selected per token (<= num_experts)"),
+        ),
+        space={
+            "lanes": (1, 2, 4, 8, 16, 32),
+            "vec": (1, 4),
+            "threads": (128, 256),
+            "tokens_per_group": (1, 2),
+            "cache": (0, 2, 3, 4),
+            "reduce": ("shfl", "redux"),
+        },
+        default=default,
+        constraint=constraint,
+        arch_constraint=arch_constraint,
+        check_shape=check_shape,
+        build=build,
+        pass_configs=pass_configs,
+        inputs=(TensorArg("scores", "float32", ("num_tokens", "num_experts")),),
+        outputs=(TensorArg("topk_idx", "int64", ("num_tokens", "k")),),
+        make_inputs=make_inputs,
+        reference=reference,
+        tolerance=Tolerance(exact=True),
+        bytes_moved=lambda s: s["num_tokens"] * (s["num_experts"] * 4 + s["k"] * 8),
+        examples=(
+            {"num_tokens": 4096, "num_experts": 256, "k": 8},
+            {"num_tokens": 65536, "num_experts": 256, "k": 8},
+            {"num_tokens": 4096, "num_experts": 64, "k": 6},
+            {"num_tokens": 16384, "num_experts": 64, "k": 6},
+        ),
+    )
+)

@@ -1,0 +1,1 @@
+"""Quantisation kernels (FP8 casts with scaling factors)."""

@@ -1,0 +1,253 @@
+"""per_token_cast: x (num_tokens, hidden) bf16/f32 -> FP8 e4m3 values + one float32 scale per group.
+
+For every token and every run of `group` channels (group in {32, 64, 128} or group == hidden):
+    amax  = max(|x|) over the group, clamped to >= 1e-4
+    scale = amax / 448                      (IEEE division; the dequantisation factor, stored)
+    round_scale: scale = 2^ceil(log2(scale)) (UE8M0: exponent rounded up), inv = 1 / scale
+    else:        inv = 448 / amax
+    out   = fp8_e4m3(clamp(x * inv, -448, 448))   (round to nearest even)
+Semantics follow TileKernels' `per_token_cast` (e4m3) and its torch reference `cast`; the kernel is
+bit-exact against the reference below.
+
+Scales are written row-major, (num_tokens, hidden // group). TileKernels' optional TMA-aligned
+column-major layout stores them as (num_groups, align(num_tokens, 4)); that extent is arithmetic on
+a runtime size, which a TensorArg dim cannot express (dims are a runtime param name or static), so it
+is not offered here.
+
+The whole tensor is a sequence of num_tokens * hidden / group contiguous groups. A group is owned by
+`group_threads` consecutive threads; thread t of a group loads chunks i * group_threads + t of `vec`
+consecutive elements (16-byte loads for bf16 x 8 / f32 x 4; neighbouring threads and neighbouring
+groups are adjacent, so every warp load is one contiguous span). The group max is a register max,
+a shuffle butterfly, and for groups wider than a warp a shared-memory step. x is read once from
+DRAM and kept in registers until it is cast.
+"""
+
+import torch
+
+from tkjit.registry import register
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+
+GROUPS = (32, 64, 128)
+FP8_MAX = 448.0
+AMAX_MIN = 1e-4
+MAX_ELEMS_PER_THREAD = 128  # registers per thread for the staged x
+SPACE = {
+    "vec": (4, 8, 16),  # elements per chunk (one or two 16-byte loads)
+    "group_threads": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),  # threads sharing one scale
+    "threads": (128, 256, 512),
+    "iters": (1, 4),  # groups each thread handles in turn
+}
+
+
+def _elem_bytes(shape):
+    return 2 if shape["in_dtype"] == "bfloat16" else 4
+
+
+def default(shape):
+    g, eb = shape["group"], _elem_bytes(shape)
+    vec = 16 // eb  # one 16-byte load per chunk
+    # About four chunks per thread (64 bytes in flight each): enough loads outstanding to cover
+    # DRAM latency. A group stays inside one warp where it can; wide groups (group == hidden)
+    # take as many threads as keep the staged x in registers.
+    chunks = g // vec
+    tpg = 1 << (max(1, min(chunks // 4, 32)).bit_length() - 1)
+    while chunks % tpg:
+        tpg //= 2
+    while (chunks // tpg) * vec > MAX_ELEMS_PER_THREAD and chunks % (2 * tpg) == 0:
+        tpg *= 2
+    cfg = {"vec": vec, "group_threads": tpg, "threads": 256 if tpg <= 256 else 512, "iters": 1}
+    if constraint(shape, cfg) is None:
+        return cfg
+    # Odd wide groups: the valid config with the fewest registers per thread.
+    return min(_valid(shape), key=lambda c: (shape["group"] // c["group_threads"], -c["vec"], c["iters"]))
+
+
+def _valid(shape):
+    import itertools
+
+    keys = list(SPACE)
+    combos = (dict(zip(keys, vals)) for vals in itertools.product(*SPACE.values()))
+    return [c for c in combos if constraint(shape, c) is None]
+
+
+def check_shape(shape):
+    h, g = shape["hidden"], shape["group"]
+    if g not in GROUPS and g != h:
+        return f"group={g} must be one of {list(GROUPS)} or equal to hidden={h}"
+    if h % g:
+        return f"hidden={h} must be a multiple of group={g}"
+    if h % 16:
+        return f"hidden={h} must be a multiple of 16 (16-byte vector loads and stores)"
+    if not _valid(shape):
+        return (
+            f"group={g} cannot be split into power-of-two thread groups holding <= "
+            f"{MAX_ELEMS_PER_THREAD} elements each (use a group with a larger power-of-two factor)"
+        )
+    return None
+
+
+def constraint(shape, c):
+    g, vec, tpg, threads = shape["group"], c["vec"], c["group_threads"], c["threads"]
+    if vec * _elem_bytes(shape) > 32:
+        return "a chunk is at most 32 bytes (two 16-byte loads)"
+    if g % (vec * tpg):
+        return f"group={g} is not a multiple of vec*group_threads={vec * tpg}"
+    if g // tpg > MAX_ELEMS_PER_THREAD:
+        return f"{g // tpg} elements per thread would spill (max {MAX_ELEMS_PER_THREAD})"
+    if tpg > threads:
+        return "a group cannot span more than one block"
+    return None
+
+
+def arch_constraint(arch, c):
+    if arch == "cpu":
+        return "needs warp shuffles and FP8 conversions: CUDA targets only"
+    return None
+
+
+def build(shape, c):
+    from tilelang import language as T
+
+    H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
+    vec, tpg, threads, iters = c["vec"], c["group_threads"], c["threads"], c["iters"]
+    NG = H // G
+    cpt = G // (vec * tpg)  # chunks per thread
+    per_thread = cpt * vec
+    slots = threads // tpg  # groups a block works on at once
+    gpb = slots * iters  # groups per block
+    warp_tpg = min(tpg, 32)
+    LOG_W = warp_tpg.bit_length() - 1
+    wpg = max(1, tpg // 32)  # warps per group
+    num_tokens = T.dynamic("num_tokens")
+    f32, fp8 = T.float32, T.float8_e4m3fn
+
+    @T.prim_func
+    def per_token_cast(
+        x: T.Tensor[(num_tokens, H), in_dtype],
+        out: T.Tensor[(num_tokens, H), fp8],
+        scales: T.Tensor[(num_tokens, NG), f32],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens * NG, gpb), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            xs = T.alloc_local((per_thread,), in_dtype)
+            amax = T.alloc_local((1,), f32)
+            sf = T.alloc_local((1,), f32)
+            inv = T.alloc_local((1,), f32)
+            if wpg > 1:
+                red = T.alloc_shared((threads // 32,), f32)
+            t = tx % tpg
+            total = T.cast(num_tokens, "int64") * NG  # groups; int64: may pass 2^31
+            for it in T.serial(iters):
+                p = T.cast(bx, "int64") * gpb + it * slots + tx // tpg
+                pc = T.min(p, total - 1)  # tail threads redo the last group, store nothing
+                row = pc // NG
+                col = (pc % NG) * G
+                for i in T.unroll(cpt):
+                    for v in T.vectorized(vec):
+                        xs[i * vec + v] = x[row, col + (i * tpg + t) * vec + v]
+                amax[0] = T.float32(0)
+                for e in T.unroll(per_thread):
+                    amax[0] = T.max(amax[0], T.abs(T.cast(xs[e], f32)))
+                for step in T.unroll(LOG_W):
+                    amax[0] = T.max(amax[0], T.shfl_xor(amax[0], (warp_tpg // 2) >> step))
+                if wpg > 1:
+                    if tx % 32 == 0:
+                        red[tx // 32] = amax[0]
+                    T.sync_threads()
+                    first = (tx // tpg) * wpg
+                    for w in T.unroll(wpg):
+                        amax[0] = T.max(amax[0], red[first + w])
+                    T.sync_threads()
+                amax[0] = T.max(amax[0], T.float32(AMAX_MIN))
+                sf[0] = T.ieee_fdiv(amax[0], T.float32(FP8_MAX))
+                if round_scale:
+                    # 2^ceil(log2(sf)): add all-ones mantissa, keep the exponent (sf > 0, normal).
+                    sf[0] = T.reinterpret(
+                        (T.reinterpret(sf[0], T.uint32) + T.uint32(0x007FFFFF)) & T.uint32(0x7F800000), f32
+                    )
+                    inv[0] = T.ieee_fdiv(T.float32(1.0), sf[0])
+                else:
+                    inv[0] = T.ieee_fdiv(T.float32(FP8_MAX), amax[0])
+                if p < total:
+                    for i in T.unroll(cpt):
+                        for v in T.vectorized(vec):
+                            out[row, col + (i * tpg + t) * vec + v] = T.cast(
+                                T.max(
+                                    T.min(T.cast(xs[i * vec + v], f32) * inv[0], T.float32(FP8_MAX)),
+                                    T.float32(-FP8_MAX),
+                                ),
+                                fp8,
+                            )
+                    if t == 0:
+                        scales[row, pc % NG] = sf[0]
+
+    return per_token_cast
+
+
+def make_inputs(shape, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n, h = shape["num_tokens"], shape["hidden"]
+    x = torch.randn(n, h, generator=g, dtype=torch.float32)
+    # Rows spanning many magnitudes, some under the amax clamp, one all zero.
+    x = x * torch.exp(2 * torch.randn(n, 1, generator=g))
+    x[3::17] *= 1e-7
+    if n > 5:
+        x[5] = 0
+    return (x.to(getattr(torch, shape["in_dtype"])).to(device),)
+
+
+def reference(shape, x):
+    n, h, g = x.shape[0], shape["hidden"], shape["group"]
+    xf = x.float().view(n, h // g, g)
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=AMAX_MIN)
+    full = torch.full_like(amax, FP8_MAX)
+    sf = amax / full
+    if shape["round_scale"]:
+        sf = ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+        inv = torch.ones_like(sf) / sf
+    else:
+        inv = full / amax
+    q = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, h)
+    return q, sf.view(n, h // g)
+
+
+def pass_configs(c):
+    return {"tl.disable_warp_specialized": True}
+
+
+SPEC = register(
+    KernelSpec(
+        name="per_token_cast",
+        family="quant",
+        doc="per-token, per-group FP8 e4m3 cast with float32 scales (amax / 448)",
+        params=(
+            Runtime("num_tokens", hi=1 << 24, doc="tokens; runtime size, tuned per power-of-two bucket"),
+            Static("hidden", lo=16, hi=65536, default=7168, doc="channels per token"),
+            Static("group", lo=16, hi=65536, default=128, doc="channels per scale: 32, 64, 128 or hidden"),
+            Static("in_dtype", type=str, values=("bfloat16", "float32"), default="bfloat16"),
+            Static("round_scale", type=bool, default=False, doc="round scales up to powers of two (UE8M0)"),
+        ),
+        space=SPACE,
+        default=default,
+        constraint=constraint,
+        arch_constraint=arch_constraint,
+        check_shape=check_shape,
+        build=build,
+        pass_configs=pass_configs,
+        inputs=(TensorArg("x", lambda s: s["in_dtype"], ("num_tokens", "hidden")),),
+        outputs=(
+            TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden")),
+            TensorArg("scales", "float32", ("num_tokens", lambda s: s["hidden"] // s["group"])),
+        ),
+        make_inputs=make_inputs,
+        reference=reference,
+        tolerance=Tolerance(exact=True),
+        bytes_moved=lambda s: s["num_tokens"] * (s["hidden"] * (_elem_bytes(s) + 1) + (s["hidden"] // s["group"]) * 4),
+        examples=(
+            {"num_tokens": 4096, "hidden": 7168, "group": 128},
+            {"num_tokens": 32768, "hidden": 7168, "group": 128},
+            {"num_tokens": 4096, "hidden": 4096, "group": 128, "round_scale": True},
+            {"num_tokens": 4096, "hidden": 7168, "group": 7168, "in_dtype": "float32"},
+        ),
+    )
+)
