@@ -45,8 +45,16 @@ CHILD = textwrap.dedent(
     for _ in range(n):
         tkjit.get(name, shape)
     memo_us = (time.perf_counter() - s) / n * 1e6
+    out = k(*inputs)
+    m = 2000
+    s = time.perf_counter()
+    for _ in range(m):
+        k(*inputs, out=out)
+    call_us = (time.perf_counter() - s) / m * 1e6  # host-side cost of one call (checks + launch)
+    if torch.cuda.is_available(): torch.cuda.synchronize()
     print(json.dumps({"ctx_ms": (t1-t0)*1e3, "import_ms": (t2-t1)*1e3, "get_ms": (t3-t2)*1e3,
-                      "launch_ms": (t5-t4)*1e3, "tkjit_total_ms": (t3-t1 + t5-t4)*1e3, "memo_us": memo_us,
+                      "launch_ms": (t5-t4)*1e3, "tkjit_total_ms": (t3-t1 + t5-t4)*1e3,
+                      "memo_us": memo_us, "call_us": call_us,
                       "source": k.config_source, "tilelang_imported": "tilelang" in sys.modules,
                       "tvm_compiler_loaded": "tvm" in sys.modules}))
     """
@@ -96,7 +104,7 @@ def main() -> int:
         out = subprocess.run([sys.executable, "-c", CHILD, args.kernel, json.dumps(shape)], check=True,
                              capture_output=True, text=True).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
-    keys = ["ctx_ms", "import_ms", "get_ms", "launch_ms", "tkjit_total_ms", "memo_us"]
+    keys = ["ctx_ms", "import_ms", "get_ms", "launch_ms", "tkjit_total_ms", "memo_us", "call_us"]
     print(f"{args.kernel} {shape}: {args.runs} fresh processes (median), config from {runs[0]['source']}")
     for k in keys:
         print(f"  {k:15s} {statistics.median(r[k] for r in runs):8.2f}")
