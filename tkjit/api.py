@@ -13,7 +13,7 @@ from typing import Any
 from tkjit import loader
 from tkjit.arch import resolve_arch
 from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed, _private_tempdir
-from tkjit.errors import CacheError, ConfigError
+from tkjit.errors import CacheError, ConfigError, ShapeError
 from tkjit.kernel import CompiledKernel
 from tkjit.key import key_material, key_of
 from tkjit.registry import get_spec
@@ -61,10 +61,12 @@ def get(
     try:
         mk = (name, _freeze(shape), _freeze(shape_kw), arch, _freeze(config))
         hit = _memo.get(mk)
-    except TypeError:  # unhashable values: validation below will say what is wrong
+    except (TypeError, AttributeError):  # unhashable values or not a mapping: validation below says what
         mk, hit = None, None
     if hit is not None:
         return hit
+    if shape is not None and not isinstance(shape, Mapping):
+        raise ShapeError(f"{name}: shape must be a mapping of param name -> value, got {shape!r}")
     kernel = _resolve(name, {**(shape or {}), **shape_kw}, arch, config)
     if mk is not None:
         with _lock:
