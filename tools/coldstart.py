@@ -75,7 +75,11 @@ BREAKDOWN = textwrap.dedent(
     t = T(); cfg, src = api.choose_config(spec, full, a, None); steps["choose_config (tuning DB)"] = T() - t
     t = T(); key, _ = api.entry_key(spec, spec.static_shape(full), cfg, a); steps["cache key"] = T() - t
     t = T(); e, _ = api.ensure_entry(spec, spec.static_shape(full), cfg, a); steps["verify entry"] = T() - t
-    t = T(); loader._import_tvm_ffi(); steps["import tvm_ffi + libtvm_runtime"] = T() - t
+    t = T(); import ctypes; ml = "ml_dtypes" in sys.modules; sys.modules.setdefault("ml_dtypes", None)
+    import tvm_ffi; steps["import tvm_ffi"] = T() - t
+    if not ml: sys.modules.pop("ml_dtypes", None)
+    steps["torch has DLPack C exchange API"] = float(hasattr(torch.Tensor, "__dlpack_c_exchange_api__"))
+    t = T(); loader._import_tvm_ffi(); steps["libtvm_runtime.so"] = T() - t
     if e.meta["abi"].get("tilelang_runtime"):
         t = T(); loader._load_tilelang_runtime(); steps["libtilelang.so (TMA kernels)"] = T() - t
     t = T(); fn = loader.load(e.file(e.meta["lib"]), e.meta); steps["load module"] = T() - t
