@@ -32,7 +32,9 @@ def default(shape):
         bt, th = 128, 128
     else:
         bt, th = 256, 128
-    return {"layout": "thread", "block_tokens": bt, "threads": th, "fast_math": False, "recip": True}
+    # fast_math: every config of the space passed the rtol 1e-5 gate with it on the H200 at 1..1M tokens,
+    # and it takes ~40% off (8.5 -> 5.2 us at 4096 tokens; benchmarks/h200).
+    return {"layout": "thread", "block_tokens": bt, "threads": th, "fast_math": True, "recip": True}
 
 
 def constraint(shape, c):
