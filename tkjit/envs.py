@@ -34,3 +34,8 @@ REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_B
 
 def flag(var: EnvVar) -> bool:
     return (var.get() or "").lower() in ("1", "true", "yes", "on")
+
+
+# -- tuning (tkjit.tuning, tkjit.tuning_db, tools/pretune.py) --------------------------------
+TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "directory of the shipped tuning DB (default: <repo>/tuning_db)")
+REGISTRY = (*REGISTRY, TUNING_DB)

@@ -1,11 +1,334 @@
-"""Tuned-config lookup (filled by the autotuner issue). Returns None: heuristic defaults serve."""
+"""Tuned-config databases: the user's (in the cache) and the shipped one (in the repo).
+
+`tkjit.get` asks `lookup` for a config when none is given. Order:
+  1. the user's DB      <cache>/v1/tuned/<arch>/<GPU_model>.json          -> "tuned:user"
+  2. the shipped DB     <repo>/tuning_db/<arch>/<GPU_model>.json          -> "tuned:shipped"
+     (TKJIT_TUNING_DB points elsewhere)
+  3. the nearest tuned bucket of the same static shape, user's first       -> "tuned:nearest(user, num_tokens=65536)"
+  4. None: the heuristic default serves.
+GPU_model is the GPU name with spaces as underscores (NVIDIA_H200). A model without its own file
+uses any file of the same arch. On a host without that GPU (cross-compiling for a named arch)
+the model is TKJIT_GPU_NAME, or any file of the arch. TKJIT_NO_TUNED_DB=1 turns lookups off.
+
+A file is JSON (indent=1, sorted keys, entries sorted: diffable):
+  {"schema": 1, "arch": "sm_90a", "gpu": "NVIDIA H200", "entries": [
+    {"kernel": ..., "shape": {static params}, "bucket": {runtime param: bucket}, "config": {...},
+     "tuned_us": 12.3, "default_us": 14.0, "speedup": 1.14, "spread": 0.01,
+     "versions": {"tilelang": ..., "nvcc": ..., "tkjit": ...}, "date": "2026-12-02", "gpu": "NVIDIA H200",
+     optional: "won", "trials", "spec_source", "default_config"}]}
+Files are parsed once per process (re-read only when they change) and validated; a malformed one
+raises TuningDBError naming the file and the entry. Only JSON is ever read.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from tkjit import envs
+from tkjit.errors import TuningDBError
 from tkjit.spec import KernelSpec
+
+SCHEMA = 1
+REQUIRED = {
+    "kernel": str, "shape": dict, "bucket": dict, "config": dict, "tuned_us": (int, float, type(None)),
+    "default_us": (int, float, type(None)), "speedup": (int, float, type(None)), "spread": (int, float),
+    "versions": dict, "date": str, "gpu": str,
+}
+OPTIONAL = {"won": bool, "trials": int, "spec_source": str, "default_config": dict, "arch": str, "note": str}
+_SCALAR = (bool, int, float, str)
+TUNING_DB_DIR = envs.TUNING_DB
+
+
+def _canon(d: Mapping[str, Any]) -> str:
+    return json.dumps(dict(d), sort_keys=True, separators=(",", ":"))
+
+
+# ----------------------------------------------------------------------------------------------
+# where the files are
+# ----------------------------------------------------------------------------------------------
+def file_stem(model: str) -> str:
+    """'NVIDIA H200' -> 'NVIDIA_H200' (and nothing that could leave the directory)."""
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", model.strip().replace(" ", "_")).strip(".")
+    return stem or "unknown"
+
+
+def gpu_model(arch: str, detected: str | None = None) -> str:
+    """The model name a DB file is named after: TKJIT_GPU_NAME, the detected GPU, or (CPU) cpu-<machine>."""
+    env = envs.GPU_NAME.get()
+    if env:
+        return env
+    if detected:
+        return detected
+    if arch == "cpu":
+        return f"cpu-{platform.machine() or 'unknown'}"
+    return arch  # a named arch without its GPU here: no file is named so, any file of the arch serves
+
+
+def _current_model(arch: str) -> str:
+    env = envs.GPU_NAME.get()
+    if env or arch == "cpu":
+        return gpu_model(arch)
+    try:
+        from tkjit.arch import current_arch, gpu_name
+
+        if current_arch() == arch:
+            return gpu_name() or arch
+    except Exception:
+        pass
+    return arch
+
+
+def user_db_dir() -> Path:
+    from tkjit.api import cache
+
+    return cache().base / "tuned"
+
+
+def shipped_db_dir() -> Path:
+    env = TUNING_DB_DIR.get()
+    if env:
+        return Path(env).expanduser()
+    import tkjit
+
+    return Path(tkjit.__file__).resolve().parent.parent / "tuning_db"
+
+
+def db_path(root: Path, arch: str, model: str) -> Path:
+    from tkjit.arch import check_arch
+
+    return Path(root) / check_arch(arch) / f"{file_stem(model)}.json"
+
+
+def user_db_path(arch: str, model: str) -> Path:
+    return db_path(user_db_dir(), arch, model)
+
+
+def shipped_db_path(arch: str, model: str) -> Path:
+    return db_path(shipped_db_dir(), arch, model)
+
+
+def db_files(root: Path, arch: str, model: str) -> list[Path]:
+    """The model's own file first, then the arch's other files (sorted) as fallbacks."""
+    own = db_path(root, arch, model)
+    d = own.parent
+    try:
+        others = sorted(p for p in d.iterdir() if p.suffix == ".json" and p.name != own.name and p.is_file())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return ([own] if own.is_file() else []) + others
+
+
+# ----------------------------------------------------------------------------------------------
+# loading and validation
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class DBFile:
+    path: Path
+    doc: dict[str, Any]
+    index: dict[tuple[str, str], list[tuple[dict, dict]]]  # (kernel, static) -> [(bucket, entry)]
+
+
+_loaded: dict[str, tuple[tuple[int, int], DBFile]] = {}
+_load_lock = threading.Lock()
+
+
+def _bad(path: Path, where: str, problem: str) -> TuningDBError:
+    return TuningDBError(f"tuning DB {path}: {where}: {problem}")
+
+
+def validate_entry(e: Any, path: Path, i: int) -> None:
+    where = f"entry {i}"
+    if not isinstance(e, dict):
+        raise _bad(path, where, f"must be an object, got {type(e).__name__}")
+    if isinstance(e.get("kernel"), str):
+        where += f" ({e['kernel']} {e.get('shape')} {e.get('bucket')})"
+    for k, t in REQUIRED.items():
+        if k not in e:
+            raise _bad(path, where, f"missing field {k!r}")
+        if not isinstance(e[k], t) or (t is not bool and isinstance(e[k], bool) and k != "config"):
+            raise _bad(path, where, f"field {k!r} has the wrong type ({type(e[k]).__name__})")
+    for k in e:
+        if k not in REQUIRED and k not in OPTIONAL:
+            raise _bad(path, where, f"unknown field {k!r}")
+        if k in OPTIONAL and not isinstance(e[k], OPTIONAL[k]):
+            raise _bad(path, where, f"field {k!r} has the wrong type ({type(e[k]).__name__})")
+    for k in ("shape", "config", "default_config"):
+        for name, v in e.get(k, {}).items():
+            if not isinstance(v, _SCALAR):
+                raise _bad(path, where, f"{k}.{name} must be a scalar, got {v!r}")
+    for name, v in e["bucket"].items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise _bad(path, where, f"bucket.{name} must be a positive int, got {v!r}")
+    for k in ("tuned_us", "default_us", "speedup", "spread"):
+        v = e[k]
+        if v is not None and (not math.isfinite(v) or v < 0):
+            raise _bad(path, where, f"{k} must be a finite non-negative number, got {v!r}")
+    if not e["config"]:
+        raise _bad(path, where, "config is empty")
+
+
+def validate_doc(doc: Any, path: Path) -> None:
+    if not isinstance(doc, dict):
+        raise _bad(path, "top level", "must be an object with 'schema' and 'entries'")
+    if doc.get("schema") != SCHEMA:
+        raise _bad(path, "top level", f"schema {doc.get('schema')!r} is not {SCHEMA}")
+    if not isinstance(doc.get("entries"), list):
+        raise _bad(path, "top level", "'entries' must be a list")
+    seen: dict[tuple, int] = {}
+    for i, e in enumerate(doc["entries"]):
+        validate_entry(e, path, i)
+        k = (e["kernel"], _canon(e["shape"]), _canon(e["bucket"]))
+        if k in seen:
+            raise _bad(path, f"entry {i} ({e['kernel']})", f"duplicates entry {seen[k]} (same shape and bucket)")
+        seen[k] = i
+
+
+def load_db(path: Path) -> DBFile:
+    """Parsed and validated, once per process while the file is unchanged."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise
+    sig = (st.st_mtime_ns, st.st_size)
+    key = str(path)
+    hit = _loaded.get(key)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    try:
+        raw = path.read_text()
+        doc = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise _bad(path, "file", f"not UTF-8 text: {e}") from None
+    except ValueError as e:
+        raise _bad(path, "file", f"not valid JSON: {e}") from None
+    validate_doc(doc, path)
+    index: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
+    for e in doc["entries"]:
+        index.setdefault((e["kernel"], _canon(e["shape"])), []).append((e["bucket"], e))
+    db = DBFile(path, doc, index)
+    with _load_lock:
+        _loaded[key] = (sig, db)
+    return db
+
+
+def clear_memo() -> None:
+    with _load_lock:
+        _loaded.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# lookup
+# ----------------------------------------------------------------------------------------------
+def _distance(a: Mapping[str, int], b: Mapping[str, int]) -> float | None:
+    if set(a) != set(b):
+        return None
+    return sum(abs(math.log2(a[k]) - math.log2(b[k])) for k in a)
 
 
 def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str, Any], str] | None:
-    return None
+    """(config, source label) from the tuned DBs for this full shape, or None."""
+    if envs.flag(envs.NO_TUNED_DB):
+        return None
+    model = _current_model(arch)
+    static_key = _canon(spec.static_shape(shape))
+    bucket = spec.bucket(shape)
+    bucket_key = _canon(bucket)
+    sources = (("user", user_db_dir()), ("shipped", shipped_db_dir()))
+    candidates: list[tuple[float, int, int, str, dict]] = []
+    for rank, (label, root) in enumerate(sources):
+        for path in db_files(root, arch, model):
+            db = load_db(path)
+            for b, e in db.index.get((spec.name, static_key), ()):
+                if _canon(b) == bucket_key:
+                    return dict(e["config"]), f"tuned:{label}"
+                dist = _distance(b, bucket)
+                if dist is not None:
+                    candidates.append((dist, rank, -sum(b.values()), label, e))
+    if not candidates:
+        return None
+    candidates.sort(key=lambda c: c[:3])
+    _, _, _, label, e = candidates[0]
+    where = ", ".join(f"{k}={v}" for k, v in sorted(e["bucket"].items()))
+    return dict(e["config"]), f"tuned:nearest({label}, {where})"
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+# ----------------------------------------------------------------------------------------------
+def versions(arch: str) -> dict[str, str]:
+    from tkjit.key import nvcc_version, tilelang_version
+    from tkjit.version import __version__
+
+    v = {"tilelang": tilelang_version(), "tkjit": __version__}
+    if arch != "cpu":
+        v["nvcc"] = nvcc_version()
+    return v
+
+
+def make_entry(r: Any) -> dict[str, Any]:
+    """The DB entry of a TuneResult."""
+    return {
+        "kernel": r.kernel, "shape": dict(r.shape), "bucket": dict(r.bucket), "config": dict(r.config),
+        "tuned_us": _round(r.tuned_us), "default_us": _round(r.default_us), "speedup": _round(r.speedup, 4),
+        "spread": _round(r.spread, 4) or 0.0, "versions": versions(r.arch), "date": time.strftime("%Y-%m-%d"),
+        "gpu": r.gpu, "won": bool(r.won), "trials": int(r.trials), "spec_source": r.spec_source,
+        "default_config": dict(r.default_config),
+    }
+
+
+def _round(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(float(v), nd)
+
+
+def _sort_key(e: Mapping[str, Any]) -> tuple:
+    return (e["kernel"], _canon(e["shape"]), sorted(e["bucket"].items()))
+
+
+def write_entries(path: Path, entries: Iterable[Mapping[str, Any]], *, arch: str, gpu: str) -> Path:
+    """Merge entries into the file at path (same kernel+shape+bucket replaced), atomically."""
+    from filelock import FileLock
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with FileLock(str(path) + ".lock", mode=0o600):
+        merged: dict[tuple, dict] = {}
+        if path.exists():
+            try:
+                for e in load_db(path).doc["entries"]:
+                    merged[(e["kernel"], _canon(e["shape"]), _canon(e["bucket"]))] = e
+            except TuningDBError:
+                bad = path.with_name(path.name + f".bad.{int(time.time())}")
+                os.replace(path, bad)  # keep it for inspection; never merge into a broken file
+        for i, e in enumerate(entries):
+            e = dict(e)
+            validate_entry(e, path, i)
+            merged[(e["kernel"], _canon(e["shape"]), _canon(e["bucket"]))] = e
+        doc = {"schema": SCHEMA, "arch": arch, "gpu": gpu, "entries": sorted(merged.values(), key=_sort_key)}
+        validate_doc(doc, path)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    return path
+

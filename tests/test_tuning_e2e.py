@@ -1,0 +1,89 @@
+"""The real tuning loop on TileLang's C target (no GPU): compile pool, isolated bench worker,
+correctness gate, timing, journal, DB write; then a fresh process serves the tuned config."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tkjit.tuning import LocalEvaluator, config_id, tune
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def _env(cache_dir, **extra):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "gpu")]),
+            "TKJIT_CACHE_DIR": str(cache_dir), **extra}
+
+
+def test_pretune_cpu_then_fresh_process_serves_it(tmp_path):
+    cache_dir = tmp_path / "cache"
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        '[defaults]\ntrials = 4\n\n[[study]]\nkernel = "sinkhorn_fwd"\nshape = { n = 4, num_tokens = 1000 }\n\n'
+        '[[study]]\nkernel = "no_such_kernel"\nshape = { n = 4 }\n'
+    )
+    out_json = tmp_path / "out.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "pretune.py"), "--manifest", str(manifest), "--arch", "cpu",
+         "--max-configs", "4", "--jobs", "2", "--json", str(out_json), "--quiet", "--bench-budget", "0.02"],
+        env=_env(cache_dir), capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no_such_kernel" in r.stderr  # skipped with a warning
+    assert "sinkhorn_fwd" in r.stdout and "% copy" in r.stdout
+    res = json.loads(out_json.read_text())["results"]
+    assert len(res) == 1 and res[0]["trials"] == 4 and res[0]["new_trials"] == 4
+    assert res[0]["bucket"] == {"num_tokens": 1024}
+    tuned = res[0]["config"]
+    (db,) = (cache_dir / "v1" / "tuned" / "cpu").glob("*.json")
+    doc = json.loads(db.read_text())
+    (entry,) = doc["entries"]
+    assert entry["config"] == tuned and entry["kernel"] == "sinkhorn_fwd" and entry["tuned_us"] > 0
+    assert (cache_dir / "v1" / "tuned" / "journal.log").stat().st_size > 0
+
+    code = (
+        "import json, tkjit\n"
+        "k = tkjit.get('sinkhorn_fwd', num_tokens=777, n=4, arch='cpu')\n"
+        "print(json.dumps([k.config_source, k.config]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=_env(cache_dir), capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    source, config = json.loads(out.strip().splitlines()[-1])
+    assert source == "tuned:user" and config == tuned
+
+    # Resume: the same run again measures nothing new.
+    r2 = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "pretune.py"), "--manifest", str(manifest), "--arch", "cpu",
+         "--max-configs", "4", "--jobs", "2", "--json", str(out_json), "--quiet", "--bench-budget", "0.02"],
+        env=_env(cache_dir), capture_output=True, text=True, timeout=300,
+    )
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(out_json.read_text())["results"][0]["new_trials"] == 0
+
+
+def test_planted_wrong_crashing_and_hanging_configs_never_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    import tkjit
+
+    tkjit.reset()
+    c = {name: {"variant": v, "block": b} for name, v, b in [
+        ("default", "good", 128), ("fast_good", "good2", 128), ("hang", "good2", 64),
+        ("wrong", "wrong", 64), ("segv", "segv", 64)]}
+    table = {config_id(c["wrong"]): 1.0, config_id(c["segv"]): 2.0, config_id(c["hang"]): 3.0,
+             config_id(c["fast_good"]): 50.0}
+    with LocalEvaluator("cpu", jobs=2, imports=["planted_specs"], timer="tkjit.tuning.fakes:FakeTimer",
+                        timer_kwargs={"table": table, "hang": [config_id(c["hang"])]}, timeout_s=8) as ev:
+        r = tune("planted_scale", {"n": 3000}, arch="cpu", evaluator=ev, storage=f"journal:{tmp_path}/j.log",
+                 only=list(c.values()))
+        assert ev.worker.restarts >= 2  # the segfault and the hang each cost a worker
+    assert r.config == c["fast_good"] and r.won and r.speedup == pytest.approx(2.0)
+    kinds = {cid: why.split(":")[0] for cid, why in r.failed.items()}
+    assert kinds == {config_id(c["wrong"]): "wrong", config_id(c["segv"]): "crash", config_id(c["hang"]): "timeout"}
+    assert r.trials == 5
+    tkjit.reset()

@@ -1,0 +1,146 @@
+"""Search logic of the tuner with fake evaluators: no compiler, no kernels, fast."""
+
+import json
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from tkjit.tuning import Space, config_id, tune
+from tkjit.tuning.fakes import TableEvaluator, fake_spec, synthetic_table
+
+SPACE = {"block": (32, 64, 128, 256), "threads": (32, 64, 128), "unroll": (False, True)}
+
+
+def constraint(shape, c):
+    return "threads > block" if c["threads"] > c["block"] else None
+
+
+DEFAULT = {"block": 128, "threads": 64, "unroll": False}
+
+
+@pytest.fixture
+def spec():
+    return fake_spec(SPACE, default=DEFAULT, constraint=constraint)
+
+
+def table_for(spec, fast=None, slow_default=2.0):
+    """Every combo (allowed or not) gets a time; `fast` config ids are much faster."""
+    import itertools
+
+    out = {}
+    for i, combo in enumerate(itertools.product(*SPACE.values())):
+        cfg = dict(zip(SPACE, combo))
+        out[config_id(cfg)] = 100.0 + i
+    out[config_id(DEFAULT)] = 100.0 * slow_default
+    for cid, us in (fast or {}).items():
+        out[cid] = us
+    return out
+
+
+def mem():
+    return optuna.storages.InMemoryStorage()
+
+
+def test_default_first_and_exhaustive_covers_all_allowed(spec):
+    ev = TableEvaluator(table_for(spec))
+    r = tune(spec, {"num_tokens": 5000}, arch="sm_90a", gpu="G", evaluator=ev, storage=mem())
+    allowed = {config_id(c) for c in spec.configs({"num_tokens": 8192}, "sm_90a")}
+    assert r.mode == "exhaustive"
+    assert ev.compiled[0] == config_id(DEFAULT)
+    assert ev.benched[0] == config_id(DEFAULT)
+    assert set(ev.compiled) == allowed and len(ev.compiled) == len(allowed)
+    assert r.trials == len(allowed)
+    assert r.bucket == {"num_tokens": 8192}  # 5000 tunes as its power-of-two bucket
+    best = min(allowed, key=lambda c: ev._time(json.loads(c)))
+    assert config_id(r.config) == best and r.won and r.speedup > 1.5
+
+
+def test_invalid_configs_never_compiled_in_tpe(spec):
+    ev = TableEvaluator(table_for(spec))
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=mem(), mode="tpe",
+             trials=12, seed=3)
+    allowed = {config_id(c) for c in spec.configs({"num_tokens": 4096}, "sm_90a")}
+    assert ev.compiled and set(ev.compiled) <= allowed
+    assert len(ev.compiled) == len(set(ev.compiled)) == 12  # nothing measured twice; pruned not counted
+    assert ev.compiled[0] == config_id(DEFAULT)
+    assert r.trials == 12
+
+
+def test_planted_wrong_and_crashing_configs_never_win(spec):
+    wrong = config_id({"block": 256, "threads": 32, "unroll": True})
+    crash = config_id({"block": 64, "threads": 64, "unroll": True})
+    ev = TableEvaluator(table_for(spec, {wrong: 1.0, crash: 2.0}), wrong=[wrong], crash=[crash])
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=mem())
+    assert config_id(r.config) not in (wrong, crash)
+    assert config_id(r.best_config) not in (wrong, crash)
+    assert r.failed[wrong].startswith("wrong") and r.failed[crash].startswith("crash")
+    assert all(wrong not in f and crash not in f for f in ev.retimed)
+
+
+def test_compile_failures_fail_their_trial_only(spec):
+    bad = config_id({"block": 32, "threads": 32, "unroll": True})
+    ev = TableEvaluator(table_for(spec, {bad: 1.0}), compile_fail=[bad])
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=mem())
+    assert bad not in ev.benched and r.failed[bad].startswith("compile")
+    assert config_id(r.config) != bad
+
+
+def test_winner_within_noise_keeps_the_default(spec):
+    near = config_id({"block": 256, "threads": 128, "unroll": False})
+    t = table_for(spec, slow_default=1.0)  # default 100 us
+    for k in t:
+        t[k] = max(t[k], 101.0)
+    t[config_id(DEFAULT)] = 100.0
+    t[near] = 99.0  # 1% faster: noise
+    ev = TableEvaluator(t)
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=mem())
+    assert config_id(r.best_config) == near
+    assert r.config == DEFAULT and not r.won and r.speedup == 1.0
+
+
+def test_resume_in_process_measures_nothing_twice(spec, tmp_path):
+    storage = f"journal:{tmp_path}/j.log"
+    ev = TableEvaluator(table_for(spec))
+    r1 = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage, trials=5)
+    assert r1.trials == 5 and len(ev.benched) == 5
+    r2 = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage)
+    assert len(ev.benched) == len(set(ev.benched)) == r2.trials
+    assert r2.new_trials == r2.trials - 5
+    # --no-resume starts over
+    ev3 = TableEvaluator(table_for(spec))
+    r3 = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev3, storage=storage, resume=False,
+              trials=3)
+    assert r3.new_trials == 3 == len(ev3.benched)
+
+
+def test_time_budget_stops_between_batches(spec):
+    ev = TableEvaluator(table_for(spec), delay_s=0.05)
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=mem(), batch=2,
+             time_budget=0.15)
+    allowed = spec.configs({"num_tokens": 4096}, "sm_90a")
+    assert 2 <= r.trials < len(allowed)
+
+
+def test_space_encoding_roundtrip(spec):
+    s = Space(spec, {"num_tokens": 4096}, "sm_90a")
+    for c in s.allowed:
+        params = s.to_params(c)
+        assert isinstance(params["block"], int) and params["block"] < 4  # ordinal index
+        assert params["unroll"] in (False, True)
+    s2 = Space(spec, {"num_tokens": 4096}, "sm_90a", max_configs=3)
+    assert len(s2) == 3 and s2.is_allowed(DEFAULT)
+
+
+def test_sampler_reaches_exhaustive_best_with_30pct_of_trials():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import sampler_eval
+
+    spec = fake_spec(sampler_eval.SYNTHETIC_SPACE, constraint=sampler_eval.synthetic_constraint)
+    table = synthetic_table(sampler_eval.SYNTHETIC_SPACE, seed=1)
+    res = sampler_eval.evaluate(spec, {"num_tokens": 4096}, table, frac=0.3, seeds=3, tol=0.02)
+    assert res["allowed"] >= 200
+    assert res["budget"] <= 0.3 * res["allowed"]
+    assert all(r["trials"] <= res["budget"] for r in res["runs"])
+    assert res["within_tol"] >= 2, res

@@ -1,0 +1,467 @@
+"""One Optuna study per (kernel, static shape, runtime bucket, arch, GPU model).
+
+    result = tune("sinkhorn_fwd", {"num_tokens": 65536, "n": 4}, arch="sm_90a")
+
+Search: small spaces (<= exhaustive_max allowed configs) are enumerated, large ones use TPE over
+ordinal encodings of the tunables. The heuristic default is always the first trial. A suggested
+config the constraints reject is pruned before compiling and not counted; a config already
+measured is not measured again. Candidates compile in parallel batches, then run one at a time in
+the isolated bench worker (correctness gate, then timing). Each trial is written to the study's
+storage as it finishes (a journal file in the cache by default), so a killed run resumes where it
+stopped. The finalists are re-timed interleaved at the end; a winner within noise of the default is
+"no win" and the default is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import socket
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from tkjit.registry import get_spec
+from tkjit.spec import KernelSpec
+from tkjit.tuning.space import Space, config_id
+
+log = logging.getLogger("tkjit.tuning")
+
+EVAL_FAILS = ("compile", "wrong", "crash", "timeout", "error")  # a measured config that failed
+EXHAUSTIVE_MAX = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluators
+# ----------------------------------------------------------------------------------------------
+class Evaluator(Protocol):
+    def compile(self, spec: KernelSpec, static: dict, configs: list[dict], arch: str) -> list[str | None]:
+        """Compile (and publish) each config; an error message per config, None when it built."""
+
+    def bench(self, spec: KernelSpec, full: dict, config: dict, arch: str, seed: int) -> dict:
+        """{"ok": True, "us": median} or {"ok": False, "kind": ..., "error": ...}."""
+
+    def retime(self, spec: KernelSpec, full: dict, configs: list[dict], arch: str) -> list[dict]:
+        """Interleaved re-timing: per config {"ok", "us", "spread"}."""
+
+
+class LocalEvaluator:
+    """The real one: a persistent compile pool plus the isolated bench worker."""
+
+    def __init__(
+        self,
+        arch: str,
+        *,
+        jobs: int | None = None,
+        timer: str | None = None,
+        timer_kwargs: Mapping[str, Any] | None = None,
+        imports: Sequence[str] = (),
+        timeout_s: float = 60.0,
+        budget_s: float | None = None,
+        retime_rounds: int = 5,
+    ) -> None:
+        import importlib
+
+        from tkjit.tuning.compile import CompilePool
+        from tkjit.tuning.worker import BenchWorker, WorkerSetup
+
+        for m in imports:  # the parent needs the specs too (registration, constraints)
+            importlib.import_module(m)
+        setup = WorkerSetup(arch=arch, timer=timer, timer_kwargs=dict(timer_kwargs or {}), imports=tuple(imports))
+        if budget_s is not None:
+            setup.budget_s = budget_s
+        self.arch = arch
+        self.pool = CompilePool(jobs, imports)
+        self.worker = BenchWorker(setup, timeout_s=timeout_s)
+        self.retime_rounds = retime_rounds
+
+    def device_info(self) -> dict[str, Any]:
+        return self.worker.start()
+
+    def compile(self, spec, static, configs, arch):
+        return [err for _, err in self.pool.compile([(spec.name, static, c, arch) for c in configs])]
+
+    def bench(self, spec, full, config, arch, seed):
+        from tkjit.tuning.worker import bench_job
+
+        return self.worker.request(bench_job(spec.name, full, config, arch, seed))
+
+    def retime(self, spec, full, configs, arch):
+        from tkjit.tuning.worker import retime_job
+
+        r = self.worker.request(retime_job(spec.name, full, configs, arch, self.retime_rounds),
+                                timeout_s=self.worker.timeout_s * max(1, len(configs)))
+        if not r.get("ok"):
+            return [r] * len(configs)
+        return r["results"]
+
+    def copy_bandwidth_gbps(self) -> float | None:
+        r = self.worker.request({"op": "copy_bw"})
+        return r.get("gbps") if r.get("ok") else None
+
+    def close(self) -> None:
+        self.worker.close()
+        self.pool.close()
+
+    def __enter__(self) -> LocalEvaluator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# results
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class TuneResult:
+    kernel: str
+    shape: dict[str, Any]  # static shape
+    bucket: dict[str, Any]
+    arch: str
+    gpu: str
+    config: dict[str, Any]  # the one to serve (the default when the winner was within noise)
+    default_config: dict[str, Any]
+    tuned_us: float | None
+    default_us: float | None
+    speedup: float | None
+    spread: float
+    won: bool
+    best_config: dict[str, Any]  # fastest measured, even when not adopted
+    trials: int  # distinct configs measured (this run and resumed ones)
+    new_trials: int  # measured by this run
+    failed: dict[str, str] = field(default_factory=dict)  # config id -> reason
+    pruned_invalid: int = 0
+    elapsed_s: float = 0.0
+    study: str = ""
+    mode: str = ""
+    full_shape: dict[str, Any] = field(default_factory=dict)
+    spec_source: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def db_entry(self) -> dict[str, Any]:
+        from tkjit.tuning_db import make_entry
+
+        return make_entry(self)
+
+
+def study_name(spec: KernelSpec, static: Mapping, bucket: Mapping, arch: str, gpu: str) -> str:
+    body = json.dumps({"static": dict(static), "bucket": dict(bucket)}, sort_keys=True, separators=(",", ":"))
+    return f"{spec.name}@{spec.source_hash}|{body}|{arch}|{gpu}"
+
+
+def default_storage():
+    """The journal in the user's cache: `<cache>/v1/tuned/journal.log`."""
+    import optuna
+
+    from tkjit.api import cache
+
+    c = cache()
+    c.ensure()
+    path = c.base / "tuned" / "journal.log"
+    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+    return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+
+
+def open_storage(storage: Any = None):
+    """None: the cache's journal; a URL: sqlite:///..., postgresql://... ; journal:PATH: a journal file."""
+    if storage is None:
+        return default_storage()
+    if isinstance(storage, str) and (storage.startswith("journal:") or storage.endswith(".log")):
+        import optuna
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+        path = storage.removeprefix("journal:")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
+    return storage
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tuning_shape(spec: KernelSpec, shape: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """(full shape at the bucket's own size, static shape, bucket): a study times its bucket's size."""
+    full = spec.canonical_shape(shape)
+    bucket = spec.bucket(full)
+    at = dict(full)
+    at.update(bucket)
+    try:
+        at = spec.canonical_shape(at)
+    except Exception:
+        at = full
+    return at, spec.static_shape(full), bucket
+
+
+# ----------------------------------------------------------------------------------------------
+# the study loop
+# ----------------------------------------------------------------------------------------------
+def tune(
+    kernel: str | KernelSpec,
+    shape: Mapping[str, Any],
+    *,
+    arch: str,
+    gpu: str | None = None,
+    evaluator: Evaluator | None = None,
+    storage: Any = None,
+    trials: int | None = None,
+    time_budget: float | None = None,
+    exhaustive_max: int = EXHAUSTIVE_MAX,
+    mode: str = "auto",
+    batch: int | None = None,
+    seed: int = 0,
+    resume: bool = True,
+    only: Sequence[Mapping[str, Any]] | None = None,
+    max_configs: int | None = None,
+    finalists: int = 4,
+    min_gain: float = 0.02,
+    progress: Callable[[int, int, float | None], None] | None = None,
+) -> TuneResult:
+    """Tune one study; see the module doc. `trials` counts distinct measured configs."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spec = get_spec(kernel) if isinstance(kernel, str) else kernel
+    full, static, bucket = tuning_shape(spec, shape)
+    space = Space(spec, full, arch, only=only, max_configs=max_configs)
+    own_eval = evaluator is None
+    if evaluator is None:
+        evaluator = LocalEvaluator(arch)
+    try:
+        if gpu is None:
+            from tkjit.tuning_db import gpu_model
+
+            info = evaluator.device_info() if hasattr(evaluator, "device_info") else {}
+            if arch != "cpu" and info.get("arch") and info["arch"] != arch:
+                raise RuntimeError(f"tuning for {arch} but the bench GPU is {info['arch']} ({info.get('gpu')})")
+            gpu = gpu_model(arch, info.get("gpu"))
+        n_allowed = len(space)
+        if mode == "auto":
+            mode = "exhaustive" if n_allowed <= exhaustive_max else "tpe"
+        budget = n_allowed if trials is None and mode == "exhaustive" else (
+            trials if trials is not None else max(20, math.ceil(0.3 * n_allowed)))
+        budget = min(budget, n_allowed)
+        return _Study(spec, full, static, bucket, arch, gpu, space, evaluator, open_storage(storage), mode,
+                      budget, time_budget, batch, seed, resume, finalists, min_gain, progress).run()
+    finally:
+        if own_eval:
+            evaluator.close()
+
+
+class _Study:
+    def __init__(self, spec, full, static, bucket, arch, gpu, space, evaluator, storage, mode, budget,
+                 time_budget, batch, seed, resume, finalists, min_gain, progress):
+        import optuna
+
+        self.spec, self.full, self.static, self.bucket = spec, full, static, bucket
+        self.arch, self.gpu, self.space, self.ev = arch, gpu, space, evaluator
+        self.mode, self.budget, self.time_budget = mode, budget, time_budget
+        self.batch = batch or getattr(getattr(evaluator, "pool", None), "n_jobs", None) or 8
+        self.seed, self.finalists, self.min_gain, self.progress = seed, finalists, min_gain, progress
+        self.rng = random.Random(seed)
+        self.name = study_name(spec, static, bucket, arch, gpu)
+        if not resume:
+            try:
+                optuna.delete_study(study_name=self.name, storage=storage)
+            except KeyError:
+                pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(
+                seed=seed, multivariate=True, constant_liar=True, n_startup_trials=max(8, min(16, budget // 4)),
+            )
+        self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=sampler,
+                                         direction="minimize", load_if_exists=True)
+        self.records: dict[str, dict] = {}  # config id -> {"ok", "us"} or {"ok": False, "kind", "error"}
+        self.pruned = 0
+        self.new = 0
+        self.host = socket.gethostname()
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _load(self) -> None:
+        from optuna.trial import Trial, TrialState
+
+        for t in self.study.get_trials(deepcopy=False):
+            cid = t.user_attrs.get("config")
+            if cid is None:
+                continue
+            if t.state == TrialState.COMPLETE:
+                self.records[cid] = {"ok": True, "us": t.value}
+            elif t.state == TrialState.FAIL and t.user_attrs.get("kind") in EVAL_FAILS:
+                self.records.setdefault(cid, {"ok": False, "kind": t.user_attrs["kind"],
+                                              "error": t.user_attrs.get("error", "")})
+            elif t.state == TrialState.RUNNING and t.user_attrs.get("host") == self.host:
+                pid = t.user_attrs.get("pid")
+                if isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid):
+                    # Killed mid-trial: not measured, so it is measured again (nothing completed is lost).
+                    Trial(self.study, t._trial_id).set_user_attr("kind", "stale")
+                    self.study.tell(t.number, state=TrialState.FAIL)
+
+    def _counted(self) -> int:
+        return sum(1 for cid in self.records if cid in self.space.allowed_ids)
+
+    def _ask(self, fixed: dict | None):
+        if fixed is not None:
+            self.study.enqueue_trial(self.space.to_params(fixed), user_attrs={"config": config_id(fixed)})
+        trial = self.study.ask()
+        cfg = self.space.suggest(trial)
+        trial.set_user_attr("config", config_id(cfg))
+        trial.set_user_attr("host", self.host)
+        trial.set_user_attr("pid", os.getpid())
+        return trial, cfg
+
+    def _tell_fail(self, trial, kind: str, error: str = "") -> None:
+        from optuna.trial import TrialState
+
+        trial.set_user_attr("kind", kind)
+        if error:
+            trial.set_user_attr("error", error[:2000])
+        self.study.tell(trial, state=TrialState.FAIL)
+
+    def _next_batch(self) -> list[tuple[Any, dict]]:
+        from optuna.trial import TrialState
+
+        want = min(self.batch, self.budget - self._counted())
+        out: list[tuple[Any, dict]] = []
+        taken: set[str] = set()
+        untried = [c for c in self.space.allowed if config_id(c) not in self.records]
+        did = config_id(self.space.default)
+        queue: list[dict] = []
+        if did not in self.records:
+            queue.append(self.space.default)  # the heuristic default is always the first trial
+        if self.mode == "exhaustive":
+            queue += [c for c in untried if config_id(c) != did]
+        misses = 0
+        while len(out) < want:
+            fixed = None
+            if queue:
+                fixed = queue.pop(0)
+            elif self.mode == "exhaustive":
+                break
+            elif misses >= 16:  # the sampler keeps proposing known or invalid configs: draw one
+                left = [c for c in untried if config_id(c) not in taken]
+                if not left:
+                    break
+                fixed = self.rng.choice(left)
+                misses = 0
+            if fixed is not None and config_id(fixed) in taken:
+                continue
+            trial, cfg = self._ask(fixed)
+            cid = config_id(cfg)
+            if cid not in self.space.allowed_ids:
+                trial.set_user_attr("kind", "invalid")
+                trial.set_user_attr("error", self.space.why_not(cfg))
+                self.study.tell(trial, state=TrialState.PRUNED)  # never compiled, not counted
+                self.pruned += 1
+                misses += 1
+                continue
+            if cid in self.records or cid in taken:
+                self._tell_fail(trial, "dup")  # measured already: neutral for the sampler, not counted
+                misses += 1
+                continue
+            misses = 0
+            taken.add(cid)
+            out.append((trial, cfg))
+        return out
+
+    def _measure(self, batch: list[tuple[Any, dict]]) -> None:
+        errors = self.ev.compile(self.spec, self.static, [c for _, c in batch], self.arch)
+        for (trial, cfg), err in zip(batch, errors):
+            cid = config_id(cfg)
+            self.new += 1
+            if err:
+                self.records[cid] = {"ok": False, "kind": "compile", "error": err}
+                self._tell_fail(trial, "compile", err)
+                log.info("%s %s: compile failed: %s", self.spec.name, cid, err)
+            else:
+                seed = self.rng.randrange(1 << 31)
+                r = self.ev.bench(self.spec, self.full, cfg, self.arch, seed)
+                if r.get("ok"):
+                    self.records[cid] = {"ok": True, "us": float(r["us"])}
+                    trial.set_user_attr("spread", float(r.get("spread", 0.0)))
+                    self.study.tell(trial, float(r["us"]))
+                else:
+                    kind = r.get("kind") if r.get("kind") in EVAL_FAILS else "error"
+                    self.records[cid] = {"ok": False, "kind": kind, "error": r.get("error", "")}
+                    self._tell_fail(trial, kind, r.get("error", ""))
+                    log.info("%s %s: %s: %s", self.spec.name, cid, kind, r.get("error"))
+            if self.progress:
+                self.progress(self._counted(), self.budget, self._best_us())
+
+    def _best_us(self) -> float | None:
+        oks = [r["us"] for r in self.records.values() if r["ok"]]
+        return min(oks) if oks else None
+
+    # -- the run ------------------------------------------------------------------------
+    def run(self) -> TuneResult:
+        t0 = time.perf_counter()
+        self._load()
+        if self.progress:
+            self.progress(self._counted(), self.budget, self._best_us())
+        last = 0.0
+        while self._counted() < self.budget:
+            # Stop before a batch that would likely run past the budget (the first always runs).
+            if self.time_budget is not None and self.new and time.perf_counter() - t0 + last > self.time_budget:
+                log.info("%s: time budget reached after %d trials", self.name, self._counted())
+                break
+            batch = self._next_batch()
+            if not batch:
+                break
+            tb = time.perf_counter()
+            self._measure(batch)
+            last = time.perf_counter() - tb
+        return self._finish(time.perf_counter() - t0)
+
+    def _finish(self, elapsed: float) -> TuneResult:
+        did = config_id(self.space.default)
+        ok = sorted(((r["us"], cid) for cid, r in self.records.items() if r["ok"] and cid in self.space.allowed_ids))
+        failed = {cid: f"{r['kind']}: {r.get('error', '')}"[:500] for cid, r in self.records.items() if not r["ok"]}
+        base = dict(kernel=self.spec.name, shape=self.static, bucket=self.bucket, arch=self.arch, gpu=self.gpu,
+                    default_config=self.space.default, trials=self._counted(), new_trials=self.new, failed=failed,
+                    pruned_invalid=self.pruned, study=self.name, mode=self.mode, full_shape=self.full,
+                    spec_source=self.spec.source_hash)
+        if not ok:
+            raise RuntimeError(f"{self.name}: no config passed the correctness gate; failures: {failed}")
+        finalists = [cid for _, cid in ok[: self.finalists]]
+        if did in self.records and self.records[did]["ok"] and did not in finalists:
+            finalists.append(did)
+        cfgs = [json.loads(c) for c in finalists]
+        timed: dict[str, dict] = {}
+        if len(cfgs) > 1:
+            for cid, r in zip(finalists, self.ev.retime(self.spec, self.full, cfgs, self.arch)):
+                if r.get("ok"):
+                    timed[cid] = {"us": float(r["us"]), "spread": float(r.get("spread", 0.0))}
+        if not timed:  # a single candidate, or the re-time failed: the search's numbers stand
+            timed = {cid: {"us": self.records[cid]["us"], "spread": 0.0} for cid in finalists}
+        best = min(timed, key=lambda c: timed[c]["us"])
+        d = timed.get(did)
+        chosen, won = best, True
+        spread = max(v["spread"] for v in timed.values())
+        if d is not None:
+            gain = (d["us"] - timed[best]["us"]) / d["us"]
+            if best == did or gain < max(self.min_gain, timed[best]["spread"], d["spread"]):
+                chosen, won = did, False
+        elif did in self.records:
+            log.warning("%s: the heuristic default failed: %s", self.name, failed.get(did))
+        tuned_us = timed[chosen]["us"]
+        default_us = d["us"] if d is not None else None
+        return TuneResult(
+            **base, config=json.loads(chosen), tuned_us=tuned_us, default_us=default_us,
+            speedup=(default_us / tuned_us) if default_us and tuned_us else None, spread=spread, won=won,
+            best_config=json.loads(best), elapsed_s=round(elapsed, 3),
+        )

@@ -1,0 +1,335 @@
+"""The benchmark worker: one long-lived spawned process that loads, checks and times candidates.
+
+The parent (the tuner) never touches CUDA. It sends jobs over a pipe and waits with a timeout; a
+candidate that kills the worker (segfault, illegal address, trap) or hangs past the timeout
+fails its trial, the worker is replaced, and tuning goes on. A CUDA error that leaves the context
+unusable makes the worker answer and exit, so the next job gets a fresh context.
+
+Every candidate passes a correctness gate before it is timed:
+  1. fresh random inputs (a new seed per candidate) at a check size (runtime dims capped), with
+     poisoned outputs, against the spec's reference;
+  2. the timing inputs at the full size, poisoned outputs, against a reference computed once per
+     study — so nothing is timed that did not produce the right answer at that size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tkjit.tuning import timing
+
+CHECK_CAP = 1 << 16  # runtime dims of the fresh-seed check are capped to this
+STUDY_SEED = 20240601  # the timing inputs of a study
+
+
+@dataclass
+class WorkerSetup:
+    arch: str
+    timer: str | None = None  # "module:attr"; None: CUDA events on GPU, perf_counter on CPU
+    timer_kwargs: dict[str, Any] = field(default_factory=dict)
+    imports: tuple[str, ...] = ()  # modules to import first (test-only specs register themselves)
+    budget_s: float = 0.08  # timing budget per candidate
+    check_cap: int = CHECK_CAP
+
+
+# ----------------------------------------------------------------------------------------------
+# child side
+# ----------------------------------------------------------------------------------------------
+class _Child:
+    def __init__(self, setup: WorkerSetup) -> None:
+        self.setup = setup
+        self.device = "cpu" if setup.arch == "cpu" else "cuda"
+        for m in setup.imports:
+            importlib.import_module(m)
+        import torch  # noqa: F401
+
+        import tkjit
+
+        self.tkjit = tkjit
+        self.timer = timing.load_timer(setup.timer, self.device, setup.timer_kwargs)
+        self._study: tuple[str, Any] | None = None  # (study id, (inputs, refs))
+        self._kernels: dict[str, Any] = {}
+
+    def hello(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"device": self.device, "pid": os.getpid()}
+        if self.device == "cuda":
+            import torch
+
+            from tkjit.arch import current_arch
+
+            info["gpu"] = torch.cuda.get_device_name()
+            info["arch"] = current_arch()
+        return info
+
+    def _kernel(self, name: str, shape: dict, config: dict, arch: str):
+        k = self.tkjit.get(name, shape, arch=arch, config=config)
+        if len(self._kernels) > 64:
+            self._kernels.clear()
+        self._kernels[k.key] = k
+        return k
+
+    def _study_data(self, spec, full: dict):
+        sid = json.dumps([spec.name, full], sort_keys=True, default=str)
+        if self._study is None or self._study[0] != sid:
+            self._study = None  # free the previous study's tensors first
+            inputs = spec.make_inputs(full, device=self.device, seed=STUDY_SEED)
+            ref = spec.reference(full, *[t.cpu() for t in inputs])
+            refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+            self._study = (sid, (inputs, refs))
+        return self._study[1]
+
+    def _check_shape(self, spec, full: dict) -> dict:
+        small = dict(full)
+        for p in spec.runtime_params:
+            v = full[p.name]
+            if v > self.setup.check_cap:
+                small[p.name] = self.setup.check_cap - 1  # odd size: exercises the tail too
+        try:
+            return spec.canonical_shape(small)
+        except Exception:
+            return full
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def _prepare(self, name: str, full: dict, config: dict, arch: str, seed: int | None):
+        """Load and gate a candidate; returns (run closure, None) or (None, failure reply)."""
+        from tkjit.testing import check, poisoned_outputs
+
+        spec = self.tkjit.get_spec(name)
+        k = self._kernel(name, full, config, arch)
+        if seed is not None:
+            msg = check(k, self._check_shape(spec, full), device=self.device, seed=seed)
+            if msg:
+                return None, {"ok": False, "kind": "wrong", "error": f"fresh inputs (seed {seed}): {msg}"}
+        inputs, refs = self._study_data(spec, full)
+        runtime = {p.name: full[p.name] for p in spec.runtime_params}
+        outs = poisoned_outputs(k, runtime, self.device)
+        k(*inputs, out=outs)
+        self._sync()
+        for (oname, _, _), o, r in zip(spec.output_decls(full), outs, refs):
+            problem = spec.tolerance.check(oname, o.cpu(), r)
+            if problem:
+                return None, {"ok": False, "kind": "wrong", "error": f"timing inputs: {problem}"}
+
+        def run() -> None:
+            k(*inputs, out=outs)
+
+        return run, None
+
+    def bench(self, job: dict) -> dict:
+        run, fail = self._prepare(job["kernel"], job["shape"], job["config"], job["arch"], job.get("seed"))
+        if fail:
+            return fail
+        ctx = {"kernel": job["kernel"], "config": job["config"], "shape": job["shape"], "device": self.device}
+        xs = self.timer.measure(run, budget_s=float(job.get("budget_s", self.setup.budget_s)), context=ctx)
+        if not xs:
+            return {"ok": False, "kind": "error", "error": "timer returned no samples"}
+        return {"ok": True, "us": timing.median(xs), "spread": timing.rel_spread(xs), "n": len(xs)}
+
+    def retime(self, job: dict) -> dict:
+        """Interleaved rounds over the finalists: drift hits every candidate alike."""
+        runs, out = [], []
+        for cfg in job["configs"]:
+            run, fail = self._prepare(job["kernel"], job["shape"], cfg, job["arch"], None)
+            runs.append(run)
+            out.append(fail)
+        rounds: list[list[float]] = [[] for _ in runs]
+        budget = float(job.get("budget_s", self.setup.budget_s)) / 2
+        for _ in range(int(job.get("rounds", 5))):
+            for i, (cfg, run) in enumerate(zip(job["configs"], runs)):
+                if run is None:
+                    continue
+                ctx = {"kernel": job["kernel"], "config": cfg, "shape": job["shape"], "device": self.device}
+                xs = self.timer.measure(run, budget_s=budget, context=ctx)
+                rounds[i].append(timing.median(xs))
+        res = []
+        for fail, r in zip(out, rounds):
+            if fail:
+                res.append(fail)
+            else:
+                res.append({"ok": True, "us": timing.median(r), "spread": timing.rel_spread(r), "rounds": r})
+        return {"ok": True, "results": res}
+
+    def copy_bandwidth(self, job: dict) -> dict:
+        import torch
+
+        n = int(job.get("bytes", 1 << 30))
+        src = torch.empty(n // 4, dtype=torch.float32, device=self.device).fill_(1.0)
+        dst = torch.empty_like(src)
+        xs = self.timer.measure(lambda: dst.copy_(src), budget_s=0.2,
+                                context={"kernel": "copy", "config": {}, "shape": {"bytes": n}, "device": self.device})
+        return {"ok": True, "gbps": 2 * n / (timing.median(xs) * 1e-6) / 1e9}
+
+    def context_ok(self) -> bool:
+        try:
+            self._sync()
+            return True
+        except Exception:
+            return False
+
+
+def _main(conn, setup: WorkerSetup) -> None:
+    # The parent owns Ctrl-C: it stops the study and shuts us down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        child = _Child(setup)
+        conn.send({"ok": True, **child.hello()})
+    except BaseException as e:
+        conn.send({"ok": False, "kind": "error", "error": f"worker start failed: {type(e).__name__}: {e}"})
+        return
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        op = job.get("op")
+        if op == "exit":
+            return
+        try:
+            if op == "bench":
+                reply = child.bench(job)
+            elif op == "retime":
+                reply = child.retime(job)
+            elif op == "copy_bw":
+                reply = child.copy_bandwidth(job)
+            elif op == "ping":
+                reply = {"ok": True}
+            else:
+                reply = {"ok": False, "kind": "error", "error": f"unknown op {op!r}"}
+        except Exception as e:
+            tb = traceback.format_exc(limit=4)
+            reply = {"ok": False, "kind": "error", "error": f"{type(e).__name__}: {e}", "traceback": tb}
+        fatal = not child.context_ok()  # a sticky CUDA error: this context is done
+        if fatal:
+            reply = {**reply, "ok": False, "kind": reply.get("kind", "crash") if not reply.get("ok") else "crash",
+                     "fatal": True, "error": reply.get("error", "CUDA context unusable after the launch")}
+        conn.send(reply)
+        if fatal:
+            os._exit(3)
+
+
+# ----------------------------------------------------------------------------------------------
+# parent side
+# ----------------------------------------------------------------------------------------------
+def _signal_name(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+        return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class BenchWorker:
+    """Parent-side handle; restarts the child after a crash or timeout (lazily, on the next job)."""
+
+    def __init__(self, setup: WorkerSetup, *, timeout_s: float = 60.0, start_timeout_s: float = 180.0) -> None:
+        self.setup = setup
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._proc = None
+        self._conn = None
+        self.info: dict[str, Any] = {}
+        self.restarts = 0
+
+    def start(self) -> dict[str, Any]:
+        if self._proc is not None and self._proc.is_alive():
+            return self.info
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_main, args=(child, self.setup), daemon=True, name="tkjit-bench")
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        if not parent.poll(self.start_timeout_s):
+            self._kill()
+            raise RuntimeError(f"bench worker did not start within {self.start_timeout_s:.0f}s")
+        try:
+            hello = parent.recv()
+        except EOFError:
+            proc.join(5)
+            code = proc.exitcode
+            self._kill()
+            raise RuntimeError(f"bench worker died while starting ({_signal_name(code)})") from None
+        if not hello.get("ok"):
+            self._kill()
+            raise RuntimeError(hello.get("error", "bench worker failed to start"))
+        self.info = hello
+        return hello
+
+    def request(self, job: Mapping[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Send a job; a crash or a timeout comes back as a failed reply, never as an exception."""
+        self.start()
+        assert self._conn is not None and self._proc is not None
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.perf_counter()
+        try:
+            self._conn.send(dict(job))
+            ready = self._conn.poll(timeout)
+        except (OSError, EOFError, BrokenPipeError):
+            ready = True
+        if not ready:
+            self._kill()
+            self.restarts += 1
+            return {"ok": False, "kind": "timeout", "error": f"no answer within {timeout:.0f}s (hang); worker replaced"}
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            code = self._proc.exitcode
+            self._kill()
+            self.restarts += 1
+            return {"ok": False, "kind": "crash", "error": f"bench worker died ({_signal_name(code)}); replaced"}
+        if reply.get("fatal"):
+            self._kill()
+            self.restarts += 1
+        reply["wall_s"] = time.perf_counter() - t0
+        return reply
+
+    def _kill(self) -> None:
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+        if proc is not None:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.send({"op": "exit"})
+                self._proc.join(5)
+        self._kill()
+
+    def __enter__(self) -> BenchWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def bench_job(kernel: str, shape: dict, config: dict, arch: str, seed: int | None, **extra: Any) -> dict:
+    return {"op": "bench", "kernel": kernel, "shape": shape, "config": config, "arch": arch, "seed": seed, **extra}
+
+
+def retime_job(kernel: str, shape: dict, configs: Sequence[dict], arch: str, rounds: int = 5, **extra: Any) -> dict:
+    return {"op": "retime", "kernel": kernel, "shape": shape, "configs": list(configs), "arch": arch,
+            "rounds": rounds, **extra}
