@@ -1,0 +1,137 @@
+"""transpose / batched_transpose on a GPU: every config against the exact reference, odd shapes,
+bad tensors, and the 16384 x 7168 bf16 timing (run with -s to see the numbers)."""
+
+import pytest
+import torch
+
+import tkjit
+from tkjit.arch import current_arch
+from tkjit.compiler import compile_many
+from tkjit.testing import check
+
+pytestmark = pytest.mark.gpu
+
+# (spec, static shape, runtime sizes to run each kernel at)
+CASES = [
+    ("transpose", {"dtype": "bfloat16", "cols": 7168}, [{"rows": r} for r in (16384, 4001, 1000, 65, 1)]),
+    ("transpose", {"dtype": "bfloat16", "cols": 129}, [{"rows": r} for r in (65, 3, 1, 4096)]),
+    ("transpose", {"dtype": "bfloat16", "cols": 5}, [{"rows": r} for r in (3, 1, 8192)]),
+    ("transpose", {"dtype": "bfloat16", "cols": 1}, [{"rows": r} for r in (1, 7, 64)]),
+    ("transpose", {"dtype": "float32", "cols": 4096}, [{"rows": r} for r in (4096, 4001, 1)]),
+    ("transpose", {"dtype": "float32", "cols": 129}, [{"rows": r} for r in (65, 128, 2)]),
+    ("transpose", {"dtype": "float16", "cols": 2112}, [{"rows": r} for r in (4001, 64)]),
+    ("transpose", {"dtype": "float8_e4m3fn", "cols": 7168}, [{"rows": r} for r in (8192, 4001, 16, 1)]),
+    ("transpose", {"dtype": "float8_e5m2", "cols": 136}, [{"rows": r} for r in (130, 64)]),
+    ("transpose", {"dtype": "uint8", "cols": 3}, [{"rows": r} for r in (5, 1, 1000)]),
+    ("transpose", {"dtype": "int32", "cols": 96}, [{"rows": r} for r in (200, 33)]),
+    ("transpose", {"dtype": "float64", "cols": 65}, [{"rows": r} for r in (129, 64)]),
+    ("transpose", {"dtype": "int64", "cols": 64}, [{"rows": r} for r in (64, 3)]),
+    ("batched_transpose", {"dtype": "bfloat16", "cols": 2048},
+     [{"rows": 1000, "batch": 3}, {"rows": 4096, "batch": 2}, {"rows": 1, "batch": 5}]),
+    ("batched_transpose", {"dtype": "float32", "cols": 65}, [{"rows": 129, "batch": 7}, {"rows": 64, "batch": 1}]),
+    ("batched_transpose", {"dtype": "float8_e4m3fn", "cols": 512}, [{"rows": 300, "batch": 4}]),
+]
+
+# Static shapes whose whole space is compiled and run.
+EVERY_CONFIG = [
+    ("transpose", {"dtype": "bfloat16", "cols": 7168}, [{"rows": r} for r in (4096, 4001, 65, 1)]),
+    ("transpose", {"dtype": "float32", "cols": 129}, [{"rows": r} for r in (1024, 65, 3)]),
+    ("transpose", {"dtype": "float8_e4m3fn", "cols": 7168}, [{"rows": r} for r in (2048, 4001, 1)]),
+    ("transpose", {"dtype": "float64", "cols": 96}, [{"rows": r} for r in (256, 33)]),
+    ("batched_transpose", {"dtype": "bfloat16", "cols": 1032}, [{"rows": 1000, "batch": 3}, {"rows": 64, "batch": 2}]),
+]
+
+
+def _arch():
+    return current_arch()
+
+
+@pytest.mark.parametrize("name, static, sizes", CASES, ids=lambda v: str(v))
+def test_default_config(name, static, sizes):
+    k = tkjit.get(name, {**static, **sizes[0]})
+    for i, rt in enumerate(sizes):
+        for seed in (i, 100 + i):
+            assert check(k, {**static, **rt}, seed=seed) is None
+
+
+@pytest.mark.parametrize("name, static, sizes", EVERY_CONFIG, ids=lambda v: str(v))
+def test_every_config(name, static, sizes):
+    tkjit.reset()  # the parent must look where the (fresh-process) compile workers publish
+    spec = tkjit.get_spec(name)
+    full = spec.canonical_shape({**static, **sizes[0]})
+    cfgs = spec.configs(full, _arch())
+    jobs = [(name, spec.static_shape(full), c, _arch(), "explicit") for c in cfgs]
+    errors = [(c, err) for c, (_, err) in zip(cfgs, compile_many(jobs)) if err]
+    assert not errors, errors[:3]
+    failures = []
+    for c in cfgs:
+        k = tkjit.get(name, full, config=c)
+        for i, rt in enumerate(sizes):
+            problem = check(k, {**static, **rt}, seed=i)
+            if problem:
+                failures.append(problem)
+    assert not failures, f"{len(failures)} failures, e.g. {failures[:3]}"
+
+
+def test_bad_tensors():
+    k = tkjit.get("transpose", {"dtype": "bfloat16", "cols": 64, "rows": 128})
+    x = torch.randn(128, 64, device="cuda").bfloat16()
+    assert torch.equal(k(x), x.T.contiguous())
+    with pytest.raises(tkjit.TensorError, match="dtype"):
+        k(x.float())
+    with pytest.raises(tkjit.TensorError, match="axis 1"):
+        k(torch.zeros(128, 65, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(tkjit.TensorError, match="dims"):
+        k(x.unsqueeze(0))
+    with pytest.raises(tkjit.TensorError, match="cuda"):
+        k(x.cpu())
+    with pytest.raises(tkjit.TensorError, match="contiguous"):
+        k(torch.zeros(64, 128, device="cuda", dtype=torch.bfloat16).T)
+    assert k(torch.zeros(0, 64, device="cuda", dtype=torch.bfloat16)).shape == (64, 0)
+    kb = tkjit.get("batched_transpose", {"dtype": "bfloat16", "cols": 64, "rows": 128, "batch": 2})
+    with pytest.raises(tkjit.TensorError, match="dims"):
+        kb(x)
+
+
+def _time_us(fn, iters=50):
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def test_speed_16384x7168_bf16():
+    shape = {"dtype": "bfloat16", "cols": 7168, "rows": 16384}
+    k = tkjit.get("transpose", shape)
+    x = torch.randn(16384, 7168, device="cuda").bfloat16()
+    y = torch.empty(7168, 16384, device="cuda", dtype=torch.bfloat16)
+    us = _time_us(lambda: k(x, out=y))
+    torch_us = _time_us(lambda: x.T.contiguous())
+    gbps = 2 * x.numel() * 2 / us / 1e3
+    print(f"\ntranspose 16384x7168 bf16 default {k.config}: {us:.1f} us ({gbps:.0f} GB/s); torch {torch_us:.1f} us")
+    assert torch.equal(y, x.T)
+    assert us < 200  # target <= 115 us on an H200; this only catches a broken fast path
+
+
+def test_speed_all_configs_16384x7168_bf16():
+    """Prints every config's time (the tuner's view); asserts nothing but correctness of the best."""
+    tkjit.reset()
+    spec = tkjit.get_spec("transpose")
+    full = spec.canonical_shape({"dtype": "bfloat16", "cols": 7168, "rows": 16384})
+    cfgs = spec.configs(full, _arch())
+    compile_many([("transpose", spec.static_shape(full), c, _arch(), "explicit") for c in cfgs])
+    x = torch.randn(16384, 7168, device="cuda").bfloat16()
+    y = torch.empty(7168, 16384, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for c in cfgs:
+        k = tkjit.get("transpose", full, config=c)
+        times.append((_time_us(lambda k=k: k(x, out=y), iters=20), c))
+    times.sort(key=lambda t: t[0])
+    print("\n" + "\n".join(f"{us:8.1f} us  {c}" for us, c in times[:15]))
+    best = tkjit.get("transpose", full, config=times[0][1])
+    assert check(best, full, seed=3) is None
