@@ -81,3 +81,34 @@ def test_real_compile_4_processes(tmp_path):
     rows = Cache(root).entries()
     assert [r["key"] for r in rows] == list(keys) and rows[0]["arch"] == "cpu"
     Cache(root).verify(rows[0]["key"])
+
+
+def test_threads_in_one_process_one_cold_key(tmp_path):
+    """flock is per open file, so threads of one process serialise on the key lock like processes."""
+    import threading
+
+    from reliability import fake_build, meta_for
+
+    cache = Cache(tmp_path / "c")
+    k = key("threads")
+    calls: list = []
+    slow = fake_build(k, calls)
+
+    def build(staging):
+        time.sleep(0.3)
+        return slow(staging)
+
+    got, errors = [], []
+
+    def run():
+        try:
+            got.append(cache.get_or_build(k, meta_for(k), build).path)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and calls == [k] and len(got) == 8 and len(set(got)) == 1

@@ -22,6 +22,18 @@ from tkjit.errors import CacheError  # noqa: E402
 KILLS = 50
 
 
+def _phase_of(pid: int, counter: Path) -> str:
+    """Where a killed worker was: before its build, building, publishing, or done."""
+    lines = [line.split() for line in counted(counter) + counted(Path(f"{counter}.phases"))]
+    mine = [w[1] for w in lines if w[0] == str(pid)]
+    if not mine:
+        return "before build"
+    if mine.count("publish") > mine.count("published"):
+        return "publishing"
+    return "building" if len([m for m in mine if m not in ("publish", "published")]) > mine.count("published") \
+        else "after publish"
+
+
 def test_kill_9_during_compile_and_publish(tmp_path):
     root, counter = tmp_path / "c", tmp_path / "builds"
     cache = Cache(root)
@@ -44,32 +56,41 @@ def test_kill_9_during_compile_and_publish(tmp_path):
                     pass
                 except CorruptEntry as e:
                     torn.append(f"{p.name}: {e}")
+            time.sleep(0.001)
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    killed_alive = 0
+    phases: dict[str, int] = {}
     env = worker_env(TKJIT_LOCK_TIMEOUT="30")
     try:
         for i in range(KILLS):
             k = keys[i % len(keys)]
-            if (root / "v1" / "entries" / k).exists() and rng.random() < 0.7:
+            if (root / "v1" / "entries" / k).exists() and rng.random() < 0.8:
                 cache.remove(k)  # mostly kill cold builds, sometimes a warm hit
-            p = spawn("build", root, k, keys[(i + 3) % len(keys)], "--counter", counter, "--sleep", "0", "0.15",
+            n0 = len(counted(counter))
+            p = spawn("build", root, k, keys[(i + 3) % len(keys)], "--counter", counter, "--sleep", "0", "0.3",
                       "--slow-publish", env=env)
-            time.sleep(rng.uniform(0.1, 0.45))  # ~0.1 s is interpreter start: kills land all over the build
+            if i % 5 == 0:  # a delay from the start: lands in start-up, lookup, lock or build
+                time.sleep(rng.uniform(0.1, 0.5))
+            else:  # a delay from the start of the build: lands in the build or the publish
+                t0 = time.time()
+                while len(counted(counter)) == n0 and p.poll() is None and time.time() - t0 < 20:
+                    time.sleep(0.002)
+                time.sleep(rng.uniform(0, 0.4))
             if p.poll() is None:
-                killed_alive += 1
                 p.send_signal(signal.SIGKILL)
             so, se = p.communicate()
             assert p.returncode in (0, -signal.SIGKILL), f"worker failed ({p.returncode}): {se}"
+            where = _phase_of(p.pid, counter) if p.returncode else "exited before the kill"
+            phases[where] = phases.get(where, 0) + 1
             verify_all(cache)  # after every kill: whatever is published is whole
     finally:
         stop.set()
         t.join()
     assert not torn, torn
-    assert killed_alive >= KILLS * 0.8, f"only {killed_alive} kills hit a live process"
-    assert reads[0] > 0
-    builds_started = len(counted(counter))
+    killed = KILLS - phases.get("exited before the kill", 0)
+    assert killed >= KILLS * 0.8, phases
+    assert phases.get("building", 0) >= 10 and phases.get("publishing", 0) >= 3, phases
     leftovers = len(list((root / "v1" / "staging").iterdir()))
     # The next process works on every key, with no stale lock in its way, and cleans up after the dead.
     t0 = time.time()
@@ -77,8 +98,8 @@ def test_kill_9_during_compile_and_publish(tmp_path):
     assert time.time() - t0 < 20
     assert verify_all(cache) == sorted(keys)
     assert list((root / "v1" / "staging").iterdir()) == []
-    print(f"\n{KILLS} kills ({killed_alive} mid-run), {builds_started} builds started, {leftovers} staging "
-          f"leftovers cleaned, {reads[0]} concurrent verifies")
+    print(f"\n{KILLS} kill -9s, {killed} of a live worker: {phases}; {leftovers} staging leftovers cleaned; "
+          f"{reads[0]} concurrent verifies, none torn")
 
 
 def test_kill_9_holding_the_lock_releases_it(tmp_path):
@@ -112,3 +133,25 @@ def test_lock_timeout_must_be_a_number(tmp_path, monkeypatch):
     with pytest.raises(CacheError, match="TKJIT_LOCK_TIMEOUT='soon'"):
         with Cache(tmp_path / "c").lock(key(1)):
             pass
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_real_compile(tmp_path):
+    """The real compile path: kill a process mid-compile (TileLang running), the next one compiles and works."""
+    root, counter = tmp_path / "c", tmp_path / "compiles"
+    p = spawn("real", root, "sinkhorn_fwd", 100, "--counter", counter)
+    t0 = time.time()
+    while not counted(counter) and time.time() - t0 < 60 and p.poll() is None:
+        time.sleep(0.05)  # the compile has started once the counter has its line
+    time.sleep(0.5)
+    assert p.poll() is None, "the compile finished before the kill"
+    p.send_signal(signal.SIGKILL)
+    p.communicate()
+    assert list((root / "v1" / "staging").iterdir())  # it died holding a staging dir
+    assert Cache(root).entries() == []
+    finish([spawn("real", root, "sinkhorn_fwd", 100, "--counter", counter,
+                  env=worker_env(TKJIT_LOCK_TIMEOUT="5"))], timeout=170)
+    assert len(counted(counter)) == 2
+    assert list((root / "v1" / "staging").iterdir()) == []
+    (row,) = Cache(root).entries()
+    Cache(root).verify(row["key"])

@@ -580,6 +580,11 @@ class Cache:
             if entry is not None:
                 return entry
             self.clean_staging()
+            for old in self._dir("staging").glob(f"{key}.*"):  # ours, of a process that died: we hold the lock
+                if old.is_dir() and not old.is_symlink():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=self._dir("staging")))
             try:
                 extra = build(staging)

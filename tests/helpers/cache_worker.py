@@ -77,22 +77,33 @@ def make_builder(key: str, counter: str | None, sleep: tuple[float, float]):
     return build
 
 
-def slow_publish() -> None:
-    """Widen the publish window (fsync/rename) so random kills land inside it too."""
+def slow_publish(phases: str | None) -> None:
+    """Widen the publish window (fsync/rename) so random kills land inside it too; log the phases."""
     import tkjit.cache as c
 
-    real_fsync, real_rename = os.fsync, os.rename
+    real_fsync, real_rename, real_publish = os.fsync, os.rename, c.Cache._publish
 
     def fsync(fd):
-        time.sleep(random.uniform(0, 0.01))
+        time.sleep(random.uniform(0, 0.03))
         return real_fsync(fd)
 
     def rename(a, b):
-        time.sleep(random.uniform(0, 0.01))
+        time.sleep(random.uniform(0, 0.03))
         return real_rename(a, b)
+
+    def log(what: str) -> None:
+        if phases:
+            with open(phases, "a") as f:
+                f.write(f"{os.getpid()} {what}\n")
+
+    def publish(self, key, staging, meta):
+        log("publish")
+        real_publish(self, key, staging, meta)
+        log("published")
 
     c.os.fsync = fsync  # c.os is os: this process only
     c.os.rename = rename
+    c.Cache._publish = publish
 
 
 def wait_start() -> None:
@@ -118,7 +129,7 @@ def main() -> int:
 
     if a.mode == "build":
         if a.slow_publish:
-            slow_publish()
+            slow_publish(a.counter + ".phases" if a.counter else None)
         wait_start()
         for _ in range(a.loops):
             for key in a.rest:
