@@ -170,3 +170,35 @@ def test_mixed_type_keys(where):
             SPEC.canonical_shape({1: 2, "a": 3})
         else:
             SPEC.check_config(FULL, {1: 2, "a": 3})
+
+
+MALFORMED_DBS = {
+    "not JSON": "{schema: 1",
+    "empty": "",
+    "not UTF-8": b"\xff\xfe\x00{",
+    "a list": "[]",
+    "wrong schema": '{"schema": 99, "entries": []}',
+    "entries not a list": '{"schema": 1, "entries": {}}',
+    "entry not an object": '{"schema": 1, "entries": [3]}',
+    "entry missing fields": '{"schema": 1, "entries": [{"kernel": "sinkhorn_fwd"}]}',
+}
+
+
+@pytest.mark.parametrize("what", list(MALFORMED_DBS))
+def test_malformed_tuning_db(cache_dir, monkeypatch, what):
+    from tkjit import api, tuning_db
+    from tkjit.errors import TuningDBError
+
+    monkeypatch.setenv("TKJIT_TUNING_DB", str(cache_dir.parent / "no-shipped-db"))
+    path = tuning_db.user_db_path("cpu", tuning_db.gpu_model("cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = MALFORMED_DBS[what]
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    tuning_db.clear_memo()
+    try:
+        with pytest.raises(TuningDBError, match=str(path)):
+            api.choose_config(SPEC, FULL, "cpu", None)
+        with pytest.raises(TuningDBError):
+            tkjit.get("sinkhorn_fwd", {"num_tokens": 64}, arch="cpu")
+    finally:
+        tuning_db.clear_memo()
