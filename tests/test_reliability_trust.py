@@ -196,8 +196,6 @@ def test_spec_names_are_validated(name):
             validate(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="spec._NAME_RE uses match() with $, which accepts a trailing newline: "
-                   "use fullmatch (spec.py is not the cache's)")
 def test_spec_name_with_trailing_newline():
     from dataclasses import replace
 

@@ -32,7 +32,7 @@ def current_arch(device: int | None = None) -> str | None:
 
 
 def check_arch(arch: str) -> str:
-    if not isinstance(arch, str) or not _ARCH_RE.match(arch):
+    if not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch):
         raise TkjitError(f"invalid arch {arch!r}: expected e.g. 'sm_90a', 'sm_100a', 'sm_89' or 'cpu'")
     return arch
 

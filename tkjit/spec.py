@@ -193,7 +193,7 @@ class KernelSpec:
         if not isinstance(shape, Mapping):
             raise ShapeError(f"{self.name}: shape must be a mapping of param name -> value, got {shape!r}")
         known = {p.name: p for p in self.params}
-        extra = sorted(set(shape) - set(known))
+        extra = sorted(set(shape) - set(known), key=repr)
         if extra:
             raise ShapeError(
                 f"{self.name}: unknown shape params {extra}; expected: "
@@ -227,11 +227,11 @@ class KernelSpec:
         """Validate a full config against the space and constraints."""
         if not isinstance(config, Mapping):
             raise ConfigError(f"{self.name}: config must be a mapping, got {config!r}")
-        extra = sorted(set(config) - set(self.space))
-        missing = sorted(set(self.space) - set(config))
+        extra = sorted(set(config) - set(self.space), key=repr)
+        missing = sorted(set(self.space) - set(config), key=repr)
         if extra or missing:
             raise ConfigError(
-                f"{self.name}: config keys {sorted(config)} do not match the space {sorted(self.space)}"
+                f"{self.name}: config keys {sorted(config, key=repr)} do not match the space {sorted(self.space)}"
                 + (f" (unknown: {extra})" if extra else "")
                 + (f" (missing: {missing})" if missing else "")
             )
@@ -292,15 +292,15 @@ def source_hash_of(obj: Any) -> str:
 
 def validate(spec: KernelSpec) -> None:
     """Registration-time checks: names and domains sane, default inside the space."""
-    if not _NAME_RE.match(spec.name or ""):
+    if not _NAME_RE.fullmatch(spec.name or ""):
         raise SpecError(f"spec name {spec.name!r} must match {_NAME_RE.pattern}")
-    if not _NAME_RE.match(spec.family or ""):
+    if not _NAME_RE.fullmatch(spec.family or ""):
         raise SpecError(f"{spec.name}: family {spec.family!r} must match {_NAME_RE.pattern}")
     names = [p.name for p in spec.params]
     if len(set(names)) != len(names):
         raise SpecError(f"{spec.name}: duplicate shape params in {names}")
     for p in spec.params:
-        if not _NAME_RE.match(p.name):
+        if not _NAME_RE.fullmatch(p.name):
             raise SpecError(f"{spec.name}: shape param name {p.name!r} must match {_NAME_RE.pattern}")
         if p.type not in (int, float, str, bool):
             raise SpecError(f"{spec.name}: shape param {p.name} has unsupported type {p.type}")
@@ -318,7 +318,7 @@ def validate(spec: KernelSpec) -> None:
     if not spec.space:
         raise SpecError(f"{spec.name}: empty tunable space")
     for k, vals in spec.space.items():
-        if not _NAME_RE.match(k):
+        if not _NAME_RE.fullmatch(k):
             raise SpecError(f"{spec.name}: tunable name {k!r} must match {_NAME_RE.pattern}")
         if not isinstance(vals, tuple) or not vals:
             raise SpecError(f"{spec.name}: tunable {k} needs a non-empty tuple of candidates")
