@@ -10,4 +10,5 @@ INDEX = {
     "topk_gate": "kernel_specs.moe.topk_gate",
     "per_token_cast": "kernel_specs.quant.per_token_cast",
     "transpose": "kernel_specs.transpose.transpose",
+    "batched_transpose": "kernel_specs.transpose.transpose",
 }

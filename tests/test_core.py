@@ -276,3 +276,14 @@ def test_memo_key_ignores_nothing(cache_dir, monkeypatch):
     tkjit.get("k", {"num_tokens": 1}, arch="cpu")
     tkjit.get("k", {"num_tokens": 1}, config={"a": 1})
     assert len(calls) == 4
+
+
+@pytest.mark.slow
+def test_ops_forms_on_cpu(cache_dir):
+    x = torch.randn(6, 4, 4, requires_grad=True)
+    tkjit.ops.sinkhorn(x).sum().backward()
+    assert x.grad.shape == (6, 4, 4) and torch.isfinite(x.grad).all()
+    t = torch.randn(3, 5)
+    assert torch.equal(tkjit.ops.transpose(t), t.t())
+    with pytest.raises(tkjit.TensorError, match="2-D or 3-D"):
+        tkjit.ops.transpose(torch.randn(2, 2, 2, 2))
