@@ -76,18 +76,26 @@ def gpu_model(arch: str, detected: str | None = None) -> str:
     return arch  # a named arch without its GPU here: no file is named so, any file of the arch serves
 
 
+_models: dict[str, str] = {}
+
+
 def _current_model(arch: str) -> str:
     env = envs.GPU_NAME.get()
     if env or arch == "cpu":
         return gpu_model(arch)
+    hit = _models.get(arch)
+    if hit is not None:
+        return hit
+    model = arch
     try:
         from tkjit.arch import current_arch, gpu_name
 
         if current_arch() == arch:
-            return gpu_name() or arch
+            model = gpu_name() or arch
     except Exception:
         pass
-    return arch
+    _models[arch] = model
+    return model
 
 
 def user_db_dir() -> Path:

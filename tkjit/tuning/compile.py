@@ -86,6 +86,28 @@ class CompilePool:
                 out.append((None, "compiler process died (segfault?) on this config"))
         return out
 
+    def compile_iter(self, jobs: Sequence[Job]):
+        """Yield (key, error) per job, in order, each as soon as it is done: the caller benchmarks
+        early results while the rest compile. A broken pool falls back to `compile` for the rest."""
+        self.compiled += len(jobs)
+        try:
+            futures = [self._pool().submit(_compile_one, j) for j in jobs]
+        except BrokenProcessPool:
+            self._reset()
+            futures = []
+        for i, f in enumerate(futures):
+            try:
+                res = f.result()
+            except BrokenProcessPool:
+                self._reset()
+                self.compiled -= len(jobs) - i
+                yield from self.compile(jobs[i:])
+                return
+            yield res
+        if not futures and jobs:
+            self.compiled -= len(jobs)
+            yield from self.compile(jobs)
+
     def _reset(self) -> None:
         if self._ex is not None:
             self._ex.shutdown(wait=False, cancel_futures=True)

@@ -50,6 +50,9 @@ class TableEvaluator:
             out.append("planted compile failure" if cid in self.compile_fail else None)
         return out
 
+    def compile_iter(self, spec, static, configs, arch):
+        yield from self.compile(spec, static, configs, arch)
+
     def bench(self, spec, full, config, arch, seed):
         cid = config_id(config)
         self.benched.append(cid)

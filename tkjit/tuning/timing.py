@@ -35,7 +35,10 @@ def rel_spread(xs: Sequence[float]) -> float:
 
 
 class CudaEventTimer:
-    """CUDA events around each launch; L2 flushed before each (a 256 MB write), warm-up excluded."""
+    """CUDA events around each launch; L2 flushed before each (a 256 MB write), warm-up excluded.
+
+    Same method as `tkjit.timing.time_cuda`; separate so the worker can size the sample count.
+    """
 
     def __init__(self, warmup_s: float = 0.01, min_reps: int = 10, max_reps: int = 400, flush: bool = True):
         self.warmup_s, self.min_reps, self.max_reps, self.flush = warmup_s, min_reps, max_reps, flush
@@ -53,7 +56,7 @@ class CudaEventTimer:
         s.record()
         for _ in range(5):
             if self._buf is not None:
-                self._buf.zero_()
+                self._buf.fill_(1)
             run()
         e.record()
         torch.cuda.synchronize()
@@ -65,7 +68,9 @@ class CudaEventTimer:
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for i in range(n):
             if self._buf is not None:
-                self._buf.zero_()  # queued before the start event: the launch overhead hides behind it
+                # Queued before the start event, so the launch overhead hides behind it; never zeros
+                # (no zero-page or compression shortcuts), a different value each run.
+                self._buf.fill_((i % 127) + 1)
             starts[i].record()
             run()
             ends[i].record()

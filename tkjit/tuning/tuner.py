@@ -21,6 +21,7 @@ import os
 import random
 import socket
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ log = logging.getLogger("tkjit.tuning")
 
 EVAL_FAILS = ("compile", "wrong", "crash", "timeout", "error")  # a measured config that failed
 EXHAUSTIVE_MAX = 64
+_LIVE_OWNERS: set[str] = set()  # tuners running in this process (their RUNNING trials are not stale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,6 +87,11 @@ class LocalEvaluator:
 
     def compile(self, spec, static, configs, arch):
         return [err for _, err in self.pool.compile([(spec.name, static, c, arch) for c in configs])]
+
+    def compile_iter(self, spec, static, configs, arch):
+        """Errors in order, each as its compile finishes (benchmarks overlap the later compiles)."""
+        for _, err in self.pool.compile_iter([(spec.name, static, c, arch) for c in configs]):
+            yield err
 
     def bench(self, spec, full, config, arch, seed):
         from tkjit.tuning.worker import bench_job
@@ -288,9 +295,11 @@ class _Study:
         self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=sampler,
                                          direction="minimize", load_if_exists=True)
         self.records: dict[str, dict] = {}  # config id -> {"ok", "us"} or {"ok": False, "kind", "error"}
+        self.inflight: set[str] = set()
         self.pruned = 0
         self.new = 0
         self.host = socket.gethostname()
+        self.owner = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:12]}"  # this tuner, among workers
 
     # -- bookkeeping --------------------------------------------------------------------
     def _load(self) -> None:
@@ -305,9 +314,13 @@ class _Study:
             elif t.state == TrialState.FAIL and t.user_attrs.get("kind") in EVAL_FAILS:
                 self.records.setdefault(cid, {"ok": False, "kind": t.user_attrs["kind"],
                                               "error": t.user_attrs.get("error", "")})
-            elif t.state == TrialState.RUNNING and t.user_attrs.get("host") == self.host:
+            elif t.state == TrialState.RUNNING and t.user_attrs.get("owner") != self.owner:
                 pid = t.user_attrs.get("pid")
-                if isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid):
+                mine_dead = pid == os.getpid() and t.user_attrs.get("owner") not in _LIVE_OWNERS
+                if t.user_attrs.get("host") != self.host or not isinstance(pid, int) or (
+                        _pid_alive(pid) and not mine_dead):
+                    self.inflight.add(cid)  # another live worker on a shared study is measuring it
+                else:
                     # Killed mid-trial: not measured, so it is measured again (nothing completed is lost).
                     Trial(self.study, t._trial_id).set_user_attr("kind", "stale")
                     self.study.tell(t.number, state=TrialState.FAIL)
@@ -323,6 +336,7 @@ class _Study:
         trial.set_user_attr("config", config_id(cfg))
         trial.set_user_attr("host", self.host)
         trial.set_user_attr("pid", os.getpid())
+        trial.set_user_attr("owner", self.owner)
         return trial, cfg
 
     def _tell_fail(self, trial, kind: str, error: str = "") -> None:
@@ -336,13 +350,17 @@ class _Study:
     def _next_batch(self) -> list[tuple[Any, dict]]:
         from optuna.trial import TrialState
 
-        want = min(self.batch, self.budget - self._counted())
+        size = self.batch * 2 if self.mode == "exhaustive" else self.batch  # no feedback needed: bigger
+        want = min(size, self.budget - self._counted())
         out: list[tuple[Any, dict]] = []
         taken: set[str] = set()
-        untried = [c for c in self.space.allowed if config_id(c) not in self.records]
+        self.inflight.clear()
+        self._load()  # a shared study: pick up what other workers measured meanwhile
+        busy = self.records.keys() | self.inflight
+        untried = [c for c in self.space.allowed if config_id(c) not in busy]
         did = config_id(self.space.default)
         queue: list[dict] = []
-        if did not in self.records:
+        if did not in busy:
             queue.append(self.space.default)  # the heuristic default is always the first trial
         if self.mode == "exhaustive":
             queue += [c for c in untried if config_id(c) != did]
@@ -370,7 +388,7 @@ class _Study:
                 self.pruned += 1
                 misses += 1
                 continue
-            if cid in self.records or cid in taken:
+            if cid in busy or cid in self.records or cid in taken:
                 self._tell_fail(trial, "dup")  # measured already: neutral for the sampler, not counted
                 misses += 1
                 continue
@@ -380,7 +398,13 @@ class _Study:
         return out
 
     def _measure(self, batch: list[tuple[Any, dict]]) -> None:
-        errors = self.ev.compile(self.spec, self.static, [c for _, c in batch], self.arch)
+        configs = [c for _, c in batch]
+        if self.arch != "cpu" and hasattr(self.ev, "compile_iter"):
+            # GPU: time candidate i while i+1.. compile (events time the GPU; the host is free to work).
+            # The C target times on the host, so there everything compiles first.
+            errors = self.ev.compile_iter(self.spec, self.static, configs, self.arch)
+        else:
+            errors = self.ev.compile(self.spec, self.static, configs, self.arch)
         for (trial, cfg), err in zip(batch, errors):
             cid = config_id(cfg)
             self.new += 1
@@ -409,6 +433,13 @@ class _Study:
 
     # -- the run ------------------------------------------------------------------------
     def run(self) -> TuneResult:
+        _LIVE_OWNERS.add(self.owner)
+        try:
+            return self._run()
+        finally:
+            _LIVE_OWNERS.discard(self.owner)
+
+    def _run(self) -> TuneResult:
         t0 = time.perf_counter()
         self._load()
         if self.progress:
@@ -428,6 +459,7 @@ class _Study:
         return self._finish(time.perf_counter() - t0)
 
     def _finish(self, elapsed: float) -> TuneResult:
+        self._load()
         did = config_id(self.space.default)
         ok = sorted(((r["us"], cid) for cid, r in self.records.items() if r["ok"] and cid in self.space.allowed_ids))
         failed = {cid: f"{r['kind']}: {r.get('error', '')}"[:500] for cid, r in self.records.items() if not r["ok"]}

@@ -6,7 +6,7 @@ fails its trial, the worker is replaced, and tuning goes on. A CUDA error that l
 unusable makes the worker answer and exit, so the next job gets a fresh context.
 
 Every candidate passes a correctness gate before it is timed:
-  1. fresh random inputs (a new seed per candidate) at a check size (runtime dims capped), with
+  1. fresh random inputs (a new seed per candidate) at a check size (runtime dims shrunk), with
      poisoned outputs, against the spec's reference;
   2. the timing inputs at the full size, poisoned outputs, against a reference computed once per
      study — so nothing is timed that did not produce the right answer at that size.
@@ -28,7 +28,7 @@ from typing import Any
 
 from tkjit.tuning import timing
 
-CHECK_CAP = 1 << 16  # runtime dims of the fresh-seed check are capped to this
+CHECK_CAP = 1 << 21  # input elements of the fresh-seed check (runtime dims shrunk to fit)
 STUDY_SEED = 20240601  # the timing inputs of a study
 
 
@@ -89,12 +89,30 @@ class _Child:
         return self._study[1]
 
     def _check_shape(self, spec, full: dict) -> dict:
+        """The fresh-seed check's shape: runtime dims shrunk until the inputs hold <= check_cap
+        elements (the CPU reference stays cheap), then made odd so partial tiles are exercised."""
         small = dict(full)
-        for p in spec.runtime_params:
-            v = full[p.name]
-            if v > self.setup.check_cap:
-                small[p.name] = self.setup.check_cap - 1  # odd size: exercises the tail too
+        runtime = [p.name for p in spec.runtime_params]
+
+        def numel(shape: dict) -> int:
+            total = 0
+            for t in spec.inputs:
+                n = 1
+                for d in t.resolve(shape)[1]:
+                    n *= d
+                total += n
+            return total
+
+        shrunk = set()
         try:
+            while runtime and numel(small) > self.setup.check_cap:
+                big = max(runtime, key=lambda k: small[k])
+                if small[big] <= 2:
+                    break
+                small[big] //= 2
+                shrunk.add(big)
+            for k in shrunk:
+                small[k] = max(1, small[k] - 1)
             return spec.canonical_shape(small)
         except Exception:
             return full
@@ -213,10 +231,10 @@ def _main(conn, setup: WorkerSetup) -> None:
         except Exception as e:
             tb = traceback.format_exc(limit=4)
             reply = {"ok": False, "kind": "error", "error": f"{type(e).__name__}: {e}", "traceback": tb}
-        fatal = not child.context_ok()  # a sticky CUDA error: this context is done
+        fatal = not child.context_ok()  # a sticky CUDA error (illegal address, trap): this context is done
         if fatal:
-            reply = {**reply, "ok": False, "kind": reply.get("kind", "crash") if not reply.get("ok") else "crash",
-                     "fatal": True, "error": reply.get("error", "CUDA context unusable after the launch")}
+            reply = {**reply, "ok": False, "kind": "crash", "fatal": True,
+                     "error": "CUDA context unusable after the launch: " + str(reply.get("error", ""))}
         conn.send(reply)
         if fatal:
             os._exit(3)
