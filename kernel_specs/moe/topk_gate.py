@@ -13,11 +13,12 @@ Scores become order-preserving uint32 keys (-0 folded into +0); key 0 marks "tak
 pick k winners, `cache`:
   0     k rounds of: lane-local argmax over all its keys, group reduction on (key, index) with the
         tie rule, the owner clears the winner. ~5 ALU ops per register per round.
-  t>0   each lane first keeps a sorted list of its t best (key, index); the k rounds only reduce the
-        list heads and the winner pops its head (O(t) per round, independent of num_experts). If a
-        lane's list runs dry while rounds remain and it has more scores than t, its next-best is
-        unknown: the warp then redoes its tokens with the `cache=0` rounds (always exact; for
-        random scores, a warp per token and k=8 that is ~2% of tokens with cache=3, ~45% with 2).
+  t>0   each lane first keeps a sorted list of its t best (key, index) plus the (t+1)-th key; the
+        k rounds only reduce the list heads and the winner pops its head (O(t) per round,
+        independent of num_experts). A lane that used up its t entries knows only a bound on its
+        next key; if that bound reaches a round's winning key, the warp redoes its tokens with the
+        `cache=0` rounds (always exact; for random scores, a warp per token and k=8 that is ~3% of
+        tokens with cache=2, ~0.1% with 3).
 Group reductions use `shfl` butterflies, or for a warp per token `redux` (`redux.sync` max on the
 key, then min on the index among lanes holding the max: two instructions instead of ten shuffles).
 """
@@ -39,9 +40,9 @@ def default(shape):
     vec = 4 if (e // lanes) % 4 == 0 else 1
     per_lane = e // lanes
     # Head lists pay off while a lane rarely supplies more than `cache` of the k winners (random
-    # scores, a warp per token: 3 entries fall back on ~2% of tokens at k=8, 2 entries on ~45%).
-    cache = 3 if lanes == 32 and k <= 8 else 4
-    if cache >= per_lane or k == 1 or 4 * k > lanes * cache:
+    # scores, a warp per token, k=8: 2 entries fall back on ~3% of tokens, 3 on ~0.1%).
+    cache = (2 if k <= 8 else 3) if lanes == 32 else 3 if lanes == 16 else 4
+    if cache >= per_lane or k == 1 or 4 * k > lanes * (cache + 1):
         cache = 0
     return {
         "lanes": lanes,
@@ -154,8 +155,8 @@ def build(shape, c):
             bk = T.alloc_local((1,), u32)
             gi = T.alloc_local((1,), u32)
             if cache > 0:
-                hk = T.alloc_local((cache,), u32)
-                hi = T.alloc_local((cache,), u32)
+                hk = T.alloc_local((cache + 1,), u32)  # the t best keys, then the (t+1)-th: a bound
+                hi = T.alloc_local((cache,), u32)  # expert indices of the t best
                 bad = T.alloc_local((1,), i32)
             lane = tx % L
             lane_off = T.cast(lane * vec, u32)
@@ -172,34 +173,40 @@ def build(shape, c):
                 for q in T.unroll(nres):
                     res[q] = T.uint32(0)
                 if cache:
-                    for j in T.unroll(cache):
+                    for j in T.unroll(cache + 1):
                         hk[j] = T.uint32(0)
+                    for j in T.unroll(cache):
                         hi[j] = NONE
                     for s in T.unroll(per_lane):
                         # Insert (keys[s], index) into the descending list; equal keys keep the
                         # earlier (smaller) index first because slots are visited in index order.
                         # From the tail up, so entry j-1 is still the old one when j reads it.
                         mine = T.uint32(slot_index(s)) + lane_off
-                        for jj in T.unroll(cache):
-                            j = cache - 1 - jj
+                        for jj in T.unroll(cache + 1):
+                            j = cache - jj
                             up = T.max(j - 1, 0)
                             shift = (j > 0) & (keys[s] > hk[up])
-                            hi[j] = T.if_then_else(keys[s] > hk[j], T.if_then_else(shift, hi[up], mine), hi[j])
+                            if j < cache:
+                                hi[T.min(j, cache - 1)] = T.if_then_else(
+                                    keys[s] > hk[j], T.if_then_else(shift, hi[up], mine), hi[T.min(j, cache - 1)]
+                                )
                             hk[j] = T.if_then_else(keys[s] > hk[j], T.if_then_else(shift, hk[up], keys[s]), hk[j])
                     bad[0] = 0
                     for r in T.unroll(K):
-                        # An empty list with unseen scores left: this lane's next-best is unknown.
-                        bad[0] = bad[0] | T.if_then_else(hk[0] == T.uint32(0), 1, 0)
                         bk[0] = hk[0]
                         gi[0] = hi[0]
                         reduce_pair(bk, gi)
+                        # A lane that used up its t entries only knows a bound on its next key; if
+                        # that bound reaches the winning key, the winner may be wrong: redo.
+                        bad[0] = bad[0] | T.if_then_else((hi[0] == NONE) & (hk[0] >= bk[0]), 1, 0)
                         record(res, r, gi, lane)
                         if r + 1 < K:
                             won = hi[0] == gi[0]
-                            for j in T.unroll(cache - 1):
+                            for j in T.unroll(cache):
                                 hk[j] = T.if_then_else(won, hk[j + 1], hk[j])
+                            for j in T.unroll(cache - 1):
                                 hi[j] = T.if_then_else(won, hi[j + 1], hi[j])
-                            hk[cache - 1] = T.if_then_else(won, T.uint32(0), hk[cache - 1])
+                            hk[cache] = T.if_then_else(won, T.uint32(0), hk[cache])
                             hi[cache - 1] = T.if_then_else(won, NONE, hi[cache - 1])
                     if T.any_sync(bad[0]) != 0:
                         rescan_rounds(keys, res, bk, gi, lane, lane_off)

@@ -7,7 +7,8 @@ For every token and every run of `group` channels (group in {32, 64, 128} or gro
     else:        inv = 448 / amax
     out   = fp8_e4m3(clamp(x * inv, -448, 448))   (round to nearest even)
 Semantics follow TileKernels' `per_token_cast` (e4m3) and its torch reference `cast`; the kernel is
-bit-exact against the reference below.
+bit-exact against the reference below for finite inputs (inf/NaN inputs are not supported: the
+kernel's clamp turns a NaN product into 448 where torch keeps NaN).
 
 Scales are written row-major, (num_tokens, hidden // group). TileKernels' optional TMA-aligned
 column-major layout stores them as (num_groups, align(num_tokens, 4)); that extent is arithmetic on

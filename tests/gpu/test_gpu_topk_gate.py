@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 NAME = "topk_gate"
 TOKENS = (1, 7, 4001, 65536)
 STATIC = [(256, 8), (64, 6), (16, 16), (16, 3), (32, 4), (128, 8), (384, 8), (512, 16), (256, 1), (64, 2)]
-EVERY = [(256, 8), (64, 6), (16, 16), (512, 16)]  # every config of the space at these
+EVERY = [(256, 8), (64, 6), (16, 16)]  # every config of the space at these (416 configs)
 
 
 def _shape(e, k, t=4001):
