@@ -305,13 +305,25 @@ def _sort_key(e: Mapping[str, Any]) -> tuple:
     return (e["kernel"], _canon(e["shape"]), sorted(e["bucket"].items()))
 
 
+def _lock_path(path: Path) -> Path:
+    """Writers of one DB file serialise on a lock in the cache (not beside a file in the repo)."""
+    import hashlib
+
+    from tkjit.api import cache
+
+    c = cache()
+    c.ensure()
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    return c.base / "locks" / f"tuning-db-{digest}.lock"
+
+
 def write_entries(path: Path, entries: Iterable[Mapping[str, Any]], *, arch: str, gpu: str) -> Path:
     """Merge entries into the file at path (same kernel+shape+bucket replaced), atomically."""
     from filelock import FileLock
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with FileLock(str(path) + ".lock", mode=0o600):
+    with FileLock(str(_lock_path(path)), mode=0o600):
         merged: dict[tuple, dict] = {}
         if path.exists():
             try:
