@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             from tkjit.tuning import LocalEvaluator, tune
 
             with LocalEvaluator(arch, jobs=args.jobs) as ev:
-                tune(spec, shape, arch=arch, evaluator=ev, mode="exhaustive", trials=None, exhaustive_max=10**6)
-            table = _table_from_study(spec, shape, arch, ev)
+                r = tune(spec, shape, arch=arch, evaluator=ev, mode="exhaustive", trials=None,
+                         exhaustive_max=10**6)
+            table = _table_from_study(r.study)
             Path(args.save_table).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         else:
             table = load_table(args.table)
@@ -115,15 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if res["within_tol"] * 2 > res["seeds"] else 1
 
 
-def _table_from_study(spec, shape, arch, ev) -> dict[str, float]:
+def _table_from_study(name: str) -> dict[str, float]:
     """Every COMPLETE trial of the study just run: config id -> µs."""
     import optuna
 
-    from tkjit.tuning.tuner import default_storage, study_name, tuning_shape
-    from tkjit.tuning_db import gpu_model
+    from tkjit.tuning.tuner import default_storage
 
-    _, static, bucket = tuning_shape(spec, shape)
-    name = study_name(spec, static, bucket, arch, gpu_model(arch, ev.device_info().get("gpu")))
     study = optuna.load_study(study_name=name, storage=default_storage())
     return {t.user_attrs["config"]: t.value for t in study.get_trials(deepcopy=False)
             if t.state == optuna.trial.TrialState.COMPLETE and "config" in t.user_attrs}

@@ -31,10 +31,14 @@ def test_illegal_address_is_survived_and_wrong_never_wins(arch, tmp_path):
                         timer_kwargs={"table": table}, timeout_s=60) as ev:
         r = tune("planted_scale", {"n": 1 << 20}, arch=arch, evaluator=ev, storage=f"journal:{tmp_path}/j.log",
                  only=[good, good2, wrong, crash])
-        assert ev.worker.restarts >= 1  # the illegal address poisoned a context: a new worker took over
+        restarts = ev.worker.restarts
     kinds = {cid: why.split(":")[0] for cid, why in r.failed.items()}
     assert kinds.get(config_id(wrong)) == "wrong"
-    assert kinds.get(config_id(crash)) in ("crash", "wrong", "error")
+    # 4 GiB past the output is normally unmapped: an illegal address, the context is lost, a new
+    # worker takes over. (Should it land in mapped memory, the unwritten output fails the gate.)
+    assert kinds.get(config_id(crash)) in ("crash", "wrong")
+    if kinds[config_id(crash)] == "crash":
+        assert restarts >= 1
     assert r.config == good2 and r.won
 
 
