@@ -287,3 +287,19 @@ def test_ops_forms_on_cpu(cache_dir):
     assert torch.equal(tkjit.ops.transpose(t), t.t())
     with pytest.raises(tkjit.TensorError, match="2-D or 3-D"):
         tkjit.ops.transpose(torch.randn(2, 2, 2, 2))
+
+
+def test_aligned_runtime_dims_are_checked_and_allocated():
+    from tkjit.kernel import CompiledKernel
+    from tkjit.spec import Align
+
+    spec = _toy_spec(outputs=(TensorArg("y", "float32", ("n", "w")), TensorArg("s", "float32", (2, Align("n", 4)))))
+    validate(spec)
+    seen = []
+    k = CompiledKernel(spec, spec.canonical_shape({"n": 5}), {"block": 32}, "cpu", "0" * 40, "explicit", Path("."),
+                       lambda *ts: seen.append([tuple(t.shape) for t in ts]))
+    y, s = k(torch.randn(5, 4))
+    assert s.shape == (2, 8) and seen == [[(5, 4), (5, 4), (2, 8)]]
+    with pytest.raises(tkjit.TensorError, match="rounded up to a multiple of 4"):
+        k(torch.randn(5, 4), out=(torch.empty(5, 4), torch.empty(2, 5)))
+    k(torch.randn(8, 4), out=(torch.empty(8, 4), torch.empty(2, 8)))

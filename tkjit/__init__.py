@@ -20,11 +20,11 @@ from tkjit.errors import (
     UnknownKernelError,
 )
 from tkjit.registry import all_specs, get_spec, register
-from tkjit.spec import KernelSpec, Param, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import Align, KernelSpec, Param, Runtime, Static, TensorArg, Tolerance
 from tkjit.version import __version__
 
 __all__ = [
-    "get", "reset", "register", "get_spec", "all_specs", "KernelSpec", "Param", "Static", "Runtime",
+    "get", "reset", "register", "get_spec", "all_specs", "Align", "KernelSpec", "Param", "Static", "Runtime",
     "TensorArg", "Tolerance", "TkjitError", "SpecError", "UnknownKernelError", "ShapeError", "ConfigError",
     "TensorError", "CompileError", "CacheError", "LaunchError", "TuningDBError", "__version__",
 ]

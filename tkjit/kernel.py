@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tkjit.errors import LaunchError, TensorError
-from tkjit.spec import KernelSpec
+from tkjit.spec import Align, KernelSpec, resolve_dim
 
 _TORCH_DTYPES: dict[str, Any] = {}
 
@@ -35,7 +35,7 @@ def torch_dtype(name: str):
 class _ArgCheck:
     name: str
     dtype: Any
-    dims: list[tuple[str | None, int]]  # (runtime param name or None, static size)
+    dims: list[tuple[str | None, int]]  # (runtime param, multiple it is rounded up to) or (None, static size)
 
 
 @dataclass
@@ -52,17 +52,20 @@ class CompiledKernel:
 
     def __post_init__(self) -> None:
         runtime = {p.name: p for p in self.spec.runtime_params}
-        # Dims are resolved with runtime params set to a sentinel, so each dim is either a
-        # static number or a plain runtime param name (no arithmetic on runtime sizes).
-        probe = dict(self.shape)
-        sentinels = {name: -(i + 1) * 1_000_003 for i, name in enumerate(runtime)}
-        probe.update(sentinels)
-        back = {v: k for k, v in sentinels.items()}
         self._device_type = "cpu" if self.arch == "cpu" else "cuda"
 
         def plan(t) -> _ArgCheck:
-            dtype, dims = t.resolve(probe)
-            return _ArgCheck(t.name, torch_dtype(dtype), [(back.get(d), d) for d in dims])
+            # A dim is a runtime size (a plain name, or Align(name, m)) or a number from static params.
+            dtype, _ = t.resolve({**self.shape, **{r: 1 for r in runtime}})
+            dims = []
+            for d in t.dims:
+                if isinstance(d, str) and d in runtime:
+                    dims.append((d, 1))
+                elif isinstance(d, Align) and d.name in runtime:
+                    dims.append((d.name, d.multiple))
+                else:
+                    dims.append((None, resolve_dim(d, self.shape)))
+            return _ArgCheck(t.name, torch_dtype(dtype), dims)
 
         self._in = [plan(t) for t in self.spec.inputs]
         self._out = [plan(t) for t in self.spec.outputs]
@@ -84,16 +87,15 @@ class CompiledKernel:
         sizes: dict[str, int] = {}
         device = None
         for t, a in zip(inputs, self._in):
+            self._bind(t, a, sizes)
+        for t, a in zip(inputs, self._in):
             device = self._check(t, a, sizes, device)
         for name, v in sizes.items():
             p = self._runtime[name]
             if v != 0:
                 p.check(v)
         if out is None:
-            outs = [
-                torch.empty([sizes[r] if r else s for r, s in a.dims], dtype=a.dtype, device=device)
-                for a in self._out
-            ]
+            outs = [torch.empty(self._dims_of(a, sizes), dtype=a.dtype, device=device) for a in self._out]
         else:
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             if len(outs) != len(self._out):
@@ -110,6 +112,20 @@ class CompiledKernel:
             except Exception as e:  # tvm_ffi reports argument/launch problems as its own errors
                 raise LaunchError(f"{self.name}: launch failed: {type(e).__name__}: {e}") from e
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    @staticmethod
+    def _bind(t, a: _ArgCheck, sizes: dict[str, int]) -> None:
+        """Runtime sizes read off plain runtime axes (first tensor wins; _check reports conflicts)."""
+        shape = getattr(t, "shape", None)
+        if shape is None or len(shape) != len(a.dims):
+            return
+        for (rname, mult), got in zip(a.dims, shape):
+            if rname is not None and mult == 1:
+                sizes.setdefault(rname, int(got))
+
+    @staticmethod
+    def _dims_of(a: _ArgCheck, sizes: dict[str, int]) -> list[int]:
+        return [(-(-sizes[r] // m) * m if r else m) for r, m in a.dims]
 
     def _check(self, t, a: _ArgCheck, sizes: dict[str, int], device, output: bool = False):
         import torch
@@ -131,6 +147,13 @@ class CompiledKernel:
                         f"{self.name}: {role} {a.name} has shape {tuple(t.shape)}, expected ({self._dims_text(a)})"
                         f" (axis {axis} must be {size}, compiled in)"
                     )
+            elif size > 1:  # Align(rname, size)
+                want = -(-sizes[rname] // size) * size if rname in sizes else None
+                if want is None or got != want:
+                    raise TensorError(
+                        f"{self.name}: {role} {a.name} axis {axis} is {got}, expected {rname} rounded up to a "
+                        f"multiple of {size} ({want})"
+                    )
             elif sizes.setdefault(rname, got) != got:
                 raise TensorError(
                     f"{self.name}: {role} {a.name} axis {axis} ({rname}) is {got}, other tensors say {sizes[rname]}"
@@ -149,7 +172,7 @@ class CompiledKernel:
         return t.device
 
     def _dims_text(self, a: _ArgCheck) -> str:
-        return ", ".join(r if r else str(s) for r, s in a.dims)
+        return ", ".join((f"align({r}, {s})" if s > 1 else r) if r else str(s) for r, s in a.dims)
 
     def _check_device(self, device) -> None:
         from tkjit.arch import current_arch

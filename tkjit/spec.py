@@ -96,12 +96,31 @@ def Runtime(name: str, lo: int = 1, hi: int = 2**31 - 1, bucket=pow2_bucket, **k
     return Param(name, type=int, static=False, lo=lo, hi=hi, bucket=bucket, **kw)
 
 
-Dim = str | int | Callable[[Shape], int]
+@dataclass(frozen=True)
+class Align:
+    """A dim equal to param `name` rounded up to a multiple (e.g. TMA-aligned scale rows)."""
+
+    name: str
+    multiple: int
+
+    def of(self, value: int) -> int:
+        return -(-int(value) // self.multiple) * self.multiple
+
+
+Dim = str | int | Align | Callable[[Shape], int]  # a callable may only read static params
+
+
+def resolve_dim(d: Dim, shape: Mapping[str, Any]) -> int:
+    if isinstance(d, str):
+        return int(shape[d])
+    if isinstance(d, Align):
+        return d.of(shape[d.name])
+    return int(d(shape)) if callable(d) else int(d)
 
 
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor the kernel takes or returns. dims: param names, ints, or shape -> int."""
+    """A tensor the kernel takes or returns. dims: param names, Align(name, m), ints, or shape -> int."""
 
     name: str
     dtype: str | Callable[[Shape], str]
@@ -109,10 +128,7 @@ class TensorArg:
 
     def resolve(self, shape: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
         dtype = self.dtype(shape) if callable(self.dtype) else self.dtype
-        dims = tuple(
-            int(shape[d]) if isinstance(d, str) else int(d(shape)) if callable(d) else int(d) for d in self.dims
-        )
-        return dtype, dims
+        return dtype, tuple(resolve_dim(d, shape) for d in self.dims)
 
 
 @dataclass(frozen=True)
@@ -332,8 +348,11 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"{spec.name}: tensor names must be unique and there must be an output: {arg_names}")
     for t in (*spec.inputs, *spec.outputs):
         for d in t.dims:
-            if isinstance(d, str) and d not in names:
-                raise SpecError(f"{spec.name}: tensor {t.name} names unknown dim {d!r}")
+            ref = d.name if isinstance(d, Align) else d
+            if isinstance(ref, str) and ref not in names:
+                raise SpecError(f"{spec.name}: tensor {t.name} names unknown dim {ref!r}")
+            if isinstance(d, Align) and d.multiple < 1:
+                raise SpecError(f"{spec.name}: tensor {t.name} has Align multiple {d.multiple} < 1")
     if not spec.examples:
         raise SpecError(f"{spec.name}: give at least one example shape")
     for ex in spec.examples:
