@@ -96,11 +96,11 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    head = ["kernel", "shape", "default us", "tuned us", "speedup", "% copy", "trials", "note"]
+    head = ["kernel", "shape", "default us", "tuned us", "speedup", "% copy", "trials", "s", "note"]
     lines = [head]
     for r in rows:
         if r.get("error"):
-            lines.append([r["kernel"], _shape_text(r["shape"]), "-", "-", "-", "-", "-", r["error"][:60]])
+            lines.append([r["kernel"], _shape_text(r["shape"]), "-", "-", "-", "-", "-", "-", r["error"][:60]])
             continue
         note = "win" if r["won"] else "no win (kept default)"
         if r.get("failed"):
@@ -108,7 +108,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         lines.append([
             r["kernel"], _shape_text(r["full_shape"]), _fmt(r["default_us"], ".2f"), _fmt(r["tuned_us"], ".2f"),
             _fmt(r["speedup"], ".3f") + ("x" if r["speedup"] else ""), _fmt(r.get("pct_copy"), ".0f"),
-            str(r["trials"]), note,
+            str(r["trials"]), f"{r.get('elapsed_s', 0):.0f}", note,
         ])
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     out = []
