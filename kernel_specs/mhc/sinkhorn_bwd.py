@@ -20,7 +20,7 @@ Layouts (tunable):
   thread  one token per thread (T.Parallel over the block's tokens), everything in that thread's
           registers / local memory; loads and stores of a token are 16-byte vectors.
   smem    grad_out and x tiles staged through shared memory with coalesced T.copy, then as thread.
-The step loop is unrolled (denominators at static indices: registers) unless repeat * n * n > 1600.
+The step loop is unrolled (denominators at static indices: registers) while they can fit.
 min_threads_per_sm asks nvcc for that occupancy (fewer registers, maybe spills): ~210 registers
 per thread at n = 4 otherwise, i.e. about 9 warps per SM.
 recip multiplies by one reciprocal per row/column instead of dividing every element.
@@ -40,13 +40,21 @@ LAYOUTS = ("thread", "smem")
 SMEM_LIMIT = 48 * 1024
 
 
+def _unrolled(shape):
+    # Unrolled steps give the denominators static indices, so they can live in registers. Once
+    # they cannot fit anyway ((2*repeat-1)*n > 128 floats) a serial loop keeps the code small.
+    return (2 * shape["repeat"] - 1) * shape["n"] <= 128
+
+
 def default(shape):
     n = shape["n"]
-    # One token per thread in 64-thread blocks. At n = 4 dropping P (keep_p=False) brings a thread
-    # to ~124 registers without spills, so the occupancy hint of 8 blocks (16 warps) per SM is free.
+    # One token per thread in 64-thread blocks. At n = 4, repeat = 10 dropping P (keep_p=False)
+    # brings a thread to ~124 registers without spills, so the occupancy hint of 8 blocks (16 warps)
+    # per SM is free; when the denominators and matrices do not fit in ~110 registers, no hint.
     small = n <= 4
+    fits = _unrolled(shape) and (2 * shape["repeat"] - 1) * n + 2 * n * n <= 110
     return {"layout": "thread", "block_tokens": 64 if small else 32, "threads": 64 if small else 32,
-            "recip": True, "keep_p": False, "fast_math": False, "min_threads_per_sm": 512 if small else 0}
+            "recip": True, "keep_p": False, "fast_math": False, "min_threads_per_sm": 512 if fits else 0}
 
 
 def constraint(shape, c):
@@ -76,9 +84,7 @@ def build(shape, c):
     n, repeat, eps = shape["n"], shape["repeat"], shape["eps"]
     bt, threads, layout, recip = c["block_tokens"], c["threads"], c["layout"], c["recip"]
     steps = 2 * repeat - 1  # normalisation steps after the softmax: col, (row, col) * (repeat - 1)
-    # Unrolled steps give the denominators static indices (registers); past ~1600 matrix elements
-    # of steps the code grows too big and a serial loop (denominators in local memory) is used.
-    loop = T.unroll if repeat * n * n <= 1600 else T.serial
+    loop = T.unroll if _unrolled(shape) else T.serial
     min_blocks = c["min_threads_per_sm"] // threads
     keep_p = c["keep_p"]
     num_tokens = T.dynamic("num_tokens")

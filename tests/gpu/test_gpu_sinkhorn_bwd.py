@@ -1,6 +1,8 @@
 """sinkhorn_bwd and tkjit.autograd.sinkhorn on a GPU: every config against torch autograd of the
 float64 reference, odd token counts, bad tensors, and a timing print (run with -s)."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,20 @@ from tkjit.compiler import compile_many
 from tkjit.testing import check
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_cache(tmp_path_factory):
+    """One cache for the module (unless TKJIT_CACHE_DIR is set): variants compiled by compile_many
+    in one test are served to the others, and parent and workers agree on where they live."""
+    old = os.environ.get("TKJIT_CACHE_DIR")
+    if old is None:
+        os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("sinkhorn-bwd-gpu-cache"))
+    tkjit.reset()
+    yield
+    if old is None:
+        del os.environ["TKJIT_CACHE_DIR"]
+    tkjit.reset()
 
 CASES = [
     ({"n": 4, "repeat": 10}, (1, 31, 4001, 65536, 1 << 20)),
@@ -30,9 +46,8 @@ def test_default_config(static, token_counts):
             assert check(k, {**static, "num_tokens": t}, seed=seed) is None
 
 
-@pytest.mark.parametrize("static", [{"n": 4, "repeat": 10}, {"n": 8, "repeat": 4}], ids=str)
+@pytest.mark.parametrize("static", [{"n": 4, "repeat": 10}, {"n": 2, "repeat": 3, "eps": 1e-3}], ids=str)
 def test_every_config(static):
-    tkjit.reset()  # the parent must look where the (fresh-process) compile workers publish
     spec = tkjit.get_spec("sinkhorn_bwd")
     arch = current_arch()
     full = spec.canonical_shape({**static, "num_tokens": 4001})

@@ -1,6 +1,8 @@
 """transpose / batched_transpose on a GPU: every config against the exact reference, odd shapes,
 bad tensors, and the 16384 x 7168 bf16 timing (run with -s to see the numbers)."""
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,20 @@ from tkjit.compiler import compile_many
 from tkjit.testing import check
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_cache(tmp_path_factory):
+    """One cache for the module (unless TKJIT_CACHE_DIR is set): variants compiled by compile_many
+    in one test are served to the others, and parent and workers agree on where they live."""
+    old = os.environ.get("TKJIT_CACHE_DIR")
+    if old is None:
+        os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("transpose-gpu-cache"))
+    tkjit.reset()
+    yield
+    if old is None:
+        del os.environ["TKJIT_CACHE_DIR"]
+    tkjit.reset()
 
 # (spec, static shape, runtime sizes to run each kernel at)
 CASES = [
@@ -56,7 +72,6 @@ def test_default_config(name, static, sizes):
 
 @pytest.mark.parametrize("name, static, sizes", EVERY_CONFIG, ids=lambda v: str(v))
 def test_every_config(name, static, sizes):
-    tkjit.reset()  # the parent must look where the (fresh-process) compile workers publish
     spec = tkjit.get_spec(name)
     full = spec.canonical_shape({**static, **sizes[0]})
     cfgs = spec.configs(full, _arch())
@@ -120,7 +135,6 @@ def test_speed_16384x7168_bf16():
 
 def test_speed_all_configs_16384x7168_bf16():
     """Prints every config's time (the tuner's view); asserts nothing but correctness of the best."""
-    tkjit.reset()
     spec = tkjit.get_spec("transpose")
     full = spec.canonical_shape({"dtype": "bfloat16", "cols": 7168, "rows": 16384})
     cfgs = spec.configs(full, _arch())
