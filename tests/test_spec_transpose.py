@@ -46,7 +46,7 @@ def test_default_fits_every_dtype_and_size(dtype, cols):
 def test_default_for_the_big_case():
     cfg = spec().default_config(spec().canonical_shape(BIG))
     assert cfg == {"block_rows": 128, "block_cols": 128, "threads": 256, "vec_bytes": 16, "swizzle": True,
-                   "min_threads_per_sm": 1024}
+                   "min_threads_per_sm": 1024, "raster": "cols"}
     fp8 = spec().canonical_shape({**BIG, "dtype": "float8_e4m3fn"})
     assert spec().default_config(fp8)["vec_bytes"] == 8  # 16 x 16-byte micro-tiles need too many registers
 
@@ -124,7 +124,7 @@ def test_reference_and_inputs():
         ("transpose", {"dtype": "float8_e4m3fn", "cols": 7168, "rows": 4096}, None),
         ("transpose", {"dtype": "float32", "cols": 129, "rows": 65},
          {"block_rows": 64, "block_cols": 64, "threads": 128, "vec_bytes": 8, "swizzle": False,
-          "min_threads_per_sm": 0}),
+          "min_threads_per_sm": 0, "raster": "rows"}),
         ("batched_transpose", {"dtype": "bfloat16", "cols": 2048, "rows": 1000, "batch": 4}, None),
     ],
 )
@@ -164,9 +164,10 @@ def test_runs_on_cpu(dtype, cols, rows_list):
 @pytest.mark.parametrize(
     "config",
     [
-        {"block_rows": 32, "block_cols": 64, "threads": 128, "vec_bytes": 8, "swizzle": False, "min_threads_per_sm": 0},
+        {"block_rows": 32, "block_cols": 64, "threads": 128, "vec_bytes": 8, "swizzle": False, "min_threads_per_sm": 0,
+         "raster": "rows"},
         {"block_rows": 128, "block_cols": 32, "threads": 128, "vec_bytes": 16, "swizzle": True,
-         "min_threads_per_sm": 1024},
+         "min_threads_per_sm": 1024, "raster": "cols"},
     ],
 )
 def test_other_configs_run_on_cpu(config):

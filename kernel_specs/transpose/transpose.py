@@ -17,6 +17,9 @@ Layout (one thread block per block_rows x block_cols tile of x):
   with G = 128 / vec_bytes chunks per 128 bytes of banks, so the vector stores of step 2 (lanes
   walk down rows) and the vector loads of step 3 (lanes walk along a row) are both conflict-free.
   swizzle=False is the plain layout (bank conflicts in step 2), kept for the tuner to compare.
+  The grid is 1-D over tiles (no 65535 limit), raster picks the order: "cols" = consecutive
+  blocks take neighbouring column tiles of the same rows (x read a row band at a time), "rows" =
+  neighbouring row tiles (y written a row band at a time); gridDim.y is the batch.
 
 Tails: a tile that lies wholly inside the tensor, with rows a multiple of k (so y's rows stay
 vector-aligned), takes the unchecked vector path; edge tiles check every row (and column when
@@ -49,6 +52,7 @@ SPACE = {
     "vec_bytes": (8, 16),  # global and shared vector width
     "swizzle": (True, False),
     "min_threads_per_sm": (0, 1024),  # 0: no hint; else __launch_bounds__(threads, this / threads)
+    "raster": ("cols", "rows"),  # block order on the 1-D grid: along x's rows first, or down them
 }
 
 
@@ -75,8 +79,6 @@ def constraint(shape, c):
         return f"tile of {br * bc * eb} bytes exceeds {SMEM_LIMIT} bytes of shared memory"
     if c["swizzle"] and (br // k) % groups:
         return f"the swizzle needs block_rows * {eb} bytes to be a multiple of 128 ({br // k} chunks per row)"
-    if -(-shape["cols"] // bc) > 65535:
-        return "too many column tiles for gridDim.y"
     return None
 
 
@@ -94,7 +96,7 @@ def default(shape):
             for nt in (256, 128):
                 for sw in (True, False):
                     cfg = {"block_rows": b_r, "block_cols": b_c, "threads": nt, "vec_bytes": vec, "swizzle": sw,
-                           "min_threads_per_sm": 1024}
+                           "min_threads_per_sm": 1024, "raster": "cols"}
                     if b_r in SPACE["block_rows"] and b_c in SPACE["block_cols"] and not constraint(shape, cfg):
                         return cfg
     raise AssertionError("transpose: no default config fits")  # unreachable: 32 x 32, 128 threads fits all
@@ -120,7 +122,9 @@ def _build(shape, c, batched):
     per_thread_out = bc * chunks // nt  # output vectors per thread
     kin = min(k, cols & -cols)  # input vector width: the largest power of two dividing cols
     col_tail = cols % bc != 0
-    min_blocks = c["min_threads_per_sm"] // nt  # occupancy hint: caps registers per thread
+    min_blocks = c["min_threads_per_sm"] // nt
+    raster = c["raster"]
+    col_tiles = -(-cols // bc)  # occupancy hint: caps registers per thread
 
     rows = T.dynamic("rows")
     if batched:
@@ -139,14 +143,18 @@ def _build(shape, c, batched):
 
     @T.prim_func
     def transpose(x: T.Tensor[x_shape, dtype], y: T.Tensor[y_shape, dtype]):
-        with T.Kernel(T.ceildiv(rows, br), T.ceildiv(cols, bc), nb, threads=nt) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(rows, br) * col_tiles, nb, threads=nt) as (bid, bz):
             if min_blocks > 1:
                 annotate_min_blocks_per_sm(min_blocks)
             s = T.alloc_shared((bc, br), dtype)
             tmp = T.alloc_local((k, k), dtype)
             tmpt = T.alloc_local((k, k), dtype)
-            r0 = bx * br
-            c0 = by * bc
+            if raster == "cols":  # consecutive blocks walk along a band of x's rows
+                r0 = (bid // col_tiles) * br
+                c0 = (bid % col_tiles) * bc
+            else:  # consecutive blocks walk down x's rows (along a band of y's rows)
+                r0 = (bid % T.ceildiv(rows, br)) * br
+                c0 = (bid // T.ceildiv(rows, br)) * bc
             if col_tail:
                 fast = (r0 + br <= rows) and (rows % k == 0) and (c0 + bc <= cols)
             else:
@@ -259,7 +267,7 @@ BATCHED_SPEC = register(
         name="batched_transpose",
         family="transpose",
         doc="y = x.transpose(1, 2) for a (batch, rows, cols) tensor of any 1/2/4/8-byte dtype, bit-exact",
-        params=(_DTYPE, _COLS, _ROWS, Runtime("batch", hi=65535, doc="batch size (gridDim.z); runtime")),
+        params=(_DTYPE, _COLS, _ROWS, Runtime("batch", hi=65535, doc="batch size (gridDim.y); runtime")),
         space=SPACE,
         default=default,
         constraint=constraint,
