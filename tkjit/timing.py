@@ -3,32 +3,38 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-import torch
+L2_FLUSH_BYTES = 256 << 20  # larger than any current L2 (H200: 50 MB; B200: 126 MB)
+_flush_buf: dict = {}
 
-_flush_buf: dict[int, torch.Tensor] = {}
 
+def flush_l2(value: int = 1) -> None:
+    """Overwrite a buffer larger than L2 so no run starts with warm inputs.
 
-def flush_l2(device: torch.device | None = None) -> None:
-    """Overwrite a buffer larger than L2 (60 MB on the H200) so no run starts with warm inputs."""
-    idx = torch.cuda.current_device() if device is None else device.index or 0
+    Never zeros (no zero-page or compression shortcuts); vary `value` between runs.
+    """
+    import torch
+
+    idx = torch.cuda.current_device()
     buf = _flush_buf.get(idx)
     if buf is None:
-        buf = _flush_buf[idx] = torch.empty(256 << 20, dtype=torch.uint8, device=f"cuda:{idx}")
-    buf.random_(0, 255)  # never zeros: zero-page tricks should not apply to the flush either
+        buf = _flush_buf[idx] = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=f"cuda:{idx}")
+    buf.fill_(value)
 
 
 def time_cuda(fn: Callable[[], object], *, reps: int = 50, warmup: int = 5, flush: bool = True) -> list[float]:
     """Per-run times in microseconds (warm-up excluded), each run after an L2 flush."""
+    import torch
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
+    for i, (s, e) in enumerate(zip(starts, ends)):
         if flush:
-            flush_l2()
+            flush_l2(i % 127 + 1)
         s.record()
         fn()
         e.record()
@@ -36,20 +42,23 @@ def time_cuda(fn: Callable[[], object], *, reps: int = 50, warmup: int = 5, flus
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
 
 
-def spread(xs: list[float]) -> float:
-    """Interquartile range over the median: the run-to-run noise of one measurement."""
-    if len(xs) < 4:
+def rel_spread(xs: Sequence[float]) -> float:
+    """Inter-quartile range over the median: how much one measurement of this kind moves."""
+    if len(xs) < 2:
         return 0.0
-    q = statistics.quantiles(xs, n=4)
-    return (q[2] - q[0]) / statistics.median(xs)
+    q = statistics.quantiles(sorted(xs), n=4, method="inclusive")
+    m = median(xs)
+    return float((q[2] - q[0]) / m) if m > 0 else 0.0
 
 
 def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    import torch
+
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     t = median(time_cuda(lambda: dst.copy_(src), reps=20, flush=False))

@@ -22,7 +22,7 @@ from baselines import SHAPES, TILE_KERNELS, TORCH  # noqa: E402
 
 import tkjit  # noqa: E402
 from tkjit import key as tkkey  # noqa: E402
-from tkjit.timing import copy_ceiling_gbs, median, spread, time_cuda  # noqa: E402
+from tkjit.timing import copy_ceiling_gbs, median, rel_spread, time_cuda  # noqa: E402
 
 
 def _row(kernel, shape, impl, us, sp, nbytes, ceiling, note=""):
@@ -64,7 +64,7 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
         for impl, fn, note in impls:
             try:
                 ts = time_cuda(fn, reps=reps)
-                rows.append(_row(name, label, impl, median(ts), spread(ts), nbytes, ceiling, note))
+                rows.append(_row(name, label, impl, median(ts), rel_spread(ts), nbytes, ceiling, note))
             except Exception as e:  # one broken baseline must not lose the table
                 rows.append(_row(name, label, impl, None, None, nbytes, ceiling, f"failed: {type(e).__name__}: {e}"))
     return rows

@@ -16,7 +16,7 @@ import sys
 import tkjit
 from tkjit.compiler import compile_many
 from tkjit.testing import check
-from tkjit.timing import median, spread, time_cuda
+from tkjit.timing import median, rel_spread, time_cuda
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
             wrong.append((c, msg))
             continue
         ts = time_cuda(lambda k=k: k(*inputs), reps=args.reps)
-        rows.append({"config": c, "us": median(ts), "spread": spread(ts)})
+        rows.append({"config": c, "us": median(ts), "spread": rel_spread(ts)})
     rows.sort(key=lambda r: r["us"])
     d = spec.default_config(full, "sm_90a")
     dus = next((r["us"] for r in rows if r["config"] == d), None)

@@ -8,30 +8,16 @@ Every timer returns raw samples; callers take the median.
 from __future__ import annotations
 
 import importlib
-import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-L2_FLUSH_BYTES = 256 << 20  # larger than any current L2 (H200: 50 MB; B200: 126 MB)
+from tkjit.timing import flush_l2, median, rel_spread  # noqa: F401  (median, rel_spread: re-exported)
 
 
 class Timer(Protocol):
     def measure(self, run: Callable[[], None], *, budget_s: float, context: Mapping[str, Any]) -> list[float]:
         """Per-run times in µs of `run()`, warm-up excluded. context: kernel, config, shape, device."""
-
-
-def median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def rel_spread(xs: Sequence[float]) -> float:
-    """Inter-quartile range over the median: how much one measurement of this kind moves."""
-    if len(xs) < 2:
-        return 0.0
-    q = statistics.quantiles(sorted(xs), n=4, method="inclusive")
-    m = median(xs)
-    return float((q[2] - q[0]) / m) if m > 0 else 0.0
 
 
 class CudaEventTimer:
@@ -42,21 +28,18 @@ class CudaEventTimer:
 
     def __init__(self, warmup_s: float = 0.01, min_reps: int = 10, max_reps: int = 400, flush: bool = True):
         self.warmup_s, self.min_reps, self.max_reps, self.flush = warmup_s, min_reps, max_reps, flush
-        self._buf = None
 
     def measure(self, run, *, budget_s, context):
         import torch
 
-        if self.flush and self._buf is None:
-            self._buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         run()
         torch.cuda.synchronize()
         # Estimate one run (with its flush) to size the warm-up and the sample count.
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         for _ in range(5):
-            if self._buf is not None:
-                self._buf.fill_(1)
+            if self.flush:
+                flush_l2(1)
             run()
         e.record()
         torch.cuda.synchronize()
@@ -67,10 +50,9 @@ class CudaEventTimer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for i in range(n):
-            if self._buf is not None:
-                # Queued before the start event, so the launch overhead hides behind it; never zeros
-                # (no zero-page or compression shortcuts), a different value each run.
-                self._buf.fill_((i % 127) + 1)
+            if self.flush:
+                # Queued before the start event, so the launch overhead hides behind it.
+                flush_l2(i % 127 + 1)
             starts[i].record()
             run()
             ends[i].record()
