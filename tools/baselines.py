@@ -89,16 +89,56 @@ def _cast_tk(shape, inputs):
     return lambda: per_token_cast(x, "e4m3", shape["group"], round_sf=shape["round_scale"])
 
 
+def _sinkhorn_bwd_torch(shape):
+    fwd = _sinkhorn_torch(shape)
+
+    def f(grad_out, x):
+        with torch.enable_grad():
+            xg = x.detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(fwd(xg), xg, grad_out)
+        return g
+
+    return f
+
+
+def _sinkhorn_bwd_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.mhc.sinkhorn_kernel import _mhc_sinkhorn_bwd
+
+    grad_out, x = inputs
+    kernel = _mhc_sinkhorn_bwd(shape["n"], 32, shape["repeat"], shape["eps"])  # its shipped token block: 32
+    out = torch.empty_like(x)
+    return lambda: kernel(grad_out, x, out)
+
+
+def _transpose_torch(shape):
+    return lambda x: x.transpose(-1, -2).contiguous()
+
+
+def _transpose_tk(shape, inputs):
+    if _tile_kernels() is None or shape["rows"] % 64 or shape["cols"] % 64:
+        return None  # TileKernels' transpose takes multiples of 64 only
+    from tile_kernels.transpose import transpose
+
+    (x,) = inputs
+    return lambda: transpose(x)
+
+
 TORCH: dict[str, Callable[[Shape], Callable[..., Any]]] = {
-    "sinkhorn_fwd": _sinkhorn_torch, "topk_gate": _topk_torch, "per_token_cast": _cast_torch,
+    "sinkhorn_fwd": _sinkhorn_torch, "sinkhorn_bwd": _sinkhorn_bwd_torch, "topk_gate": _topk_torch,
+    "per_token_cast": _cast_torch, "transpose": _transpose_torch,
 }
 TILE_KERNELS: dict[str, Factory] = {
-    "sinkhorn_fwd": _sinkhorn_tk, "topk_gate": _topk_tk, "per_token_cast": _cast_tk,
+    "sinkhorn_fwd": _sinkhorn_tk, "sinkhorn_bwd": _sinkhorn_bwd_tk, "topk_gate": _topk_tk,
+    "per_token_cast": _cast_tk, "transpose": _transpose_tk,
 }
 
 # DeepSeek-style shapes per kernel (V3/V4: hidden 7168, 256 experts top-8, mHC n=4).
 SHAPES: dict[str, list[Shape]] = {
     "sinkhorn_fwd": [{"num_tokens": 4096, "n": 4}, {"num_tokens": 65536, "n": 4}, {"num_tokens": 1 << 20, "n": 4}],
+    "sinkhorn_bwd": [{"num_tokens": 4096, "n": 4}, {"num_tokens": 262144, "n": 4}],
+    "transpose": [{"rows": 16384, "cols": 7168, "dtype": "bfloat16"}, {"rows": 4001, "cols": 576, "dtype": "bfloat16"}],
     "topk_gate": [
         {"num_tokens": 4096, "num_experts": 256, "k": 8}, {"num_tokens": 65536, "num_experts": 256, "k": 8},
         {"num_tokens": 65536, "num_experts": 64, "k": 6},
