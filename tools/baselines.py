@@ -136,15 +136,11 @@ TILE_KERNELS: dict[str, Factory] = {
 
 # DeepSeek-style shapes per kernel (V3/V4: hidden 7168, 256 experts top-8, mHC n=4).
 SHAPES: dict[str, list[Shape]] = {
-    "sinkhorn_fwd": [{"num_tokens": 4096, "n": 4}, {"num_tokens": 65536, "n": 4}, {"num_tokens": 1 << 20, "n": 4}],
-    "sinkhorn_bwd": [{"num_tokens": 4096, "n": 4}, {"num_tokens": 262144, "n": 4}],
-    "transpose": [{"rows": 16384, "cols": 7168, "dtype": "bfloat16"}, {"rows": 4001, "cols": 576, "dtype": "bfloat16"}],
-    "topk_gate": [
-        {"num_tokens": 4096, "num_experts": 256, "k": 8}, {"num_tokens": 65536, "num_experts": 256, "k": 8},
-        {"num_tokens": 65536, "num_experts": 64, "k": 6},
-    ],
+    "sinkhorn_fwd": [{"num_tokens": 4096, "n": 4}, {"num_tokens": 1 << 20, "n": 4}],
+    "sinkhorn_bwd": [{"num_tokens": 262144, "n": 4}],
+    "topk_gate": [{"num_tokens": 4096, "num_experts": 256, "k": 8}, {"num_tokens": 65536, "num_experts": 256, "k": 8}],
     "per_token_cast": [
         {"num_tokens": 4096, "hidden": 7168, "group": 128}, {"num_tokens": 32768, "hidden": 7168, "group": 128},
-        {"num_tokens": 32768, "hidden": 4096, "group": 128, "round_scale": True},
     ],
+    "transpose": [{"rows": 16384, "cols": 7168, "dtype": "bfloat16"}, {"rows": 4001, "cols": 576, "dtype": "bfloat16"}],
 }
