@@ -9,6 +9,7 @@ INDEX = {
     "sinkhorn_bwd": "kernel_specs.mhc.sinkhorn_bwd",
     "topk_gate": "kernel_specs.moe.topk_gate",
     "per_token_cast": "kernel_specs.quant.per_token_cast",
+    "per_token_cast_colmajor": "kernel_specs.quant.per_token_cast",
     "transpose": "kernel_specs.transpose.transpose",
     "batched_transpose": "kernel_specs.transpose.transpose",
 }

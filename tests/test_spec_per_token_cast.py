@@ -1,14 +1,19 @@
-"""per_token_cast spec on the CPU: shapes, constraints, reference semantics, sm_90a cross-compiles."""
+"""per_token_cast(_colmajor) specs on the CPU: shapes, constraints, reference semantics, scale
+layouts, sm_90a cross-compiles."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
 import tkjit
 from tkjit.errors import ConfigError, ShapeError
+from tkjit.kernel import CompiledKernel
 from tkjit.registry import get_spec
-from tkjit.spec import validate
+from tkjit.spec import Align, validate
 
 NAME = "per_token_cast"
+COLMAJOR = "per_token_cast_colmajor"
 
 
 @pytest.fixture(scope="module")
@@ -124,21 +129,155 @@ def test_make_inputs(spec):
     assert y.dtype == torch.float32
 
 
+# -- column-major, TMA-aligned scales --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def colmajor():
+    return get_spec(COLMAJOR)
+
+
+def test_colmajor_spec_validates(spec, colmajor):
+    validate(colmajor)
+    assert colmajor.tolerance.exact and colmajor.family == "quant"
+    # Same shapes, space, defaults and values as the row-major spec: only the scales layout differs.
+    assert [p.name for p in colmajor.params] == [p.name for p in spec.params]
+    assert colmajor.space == spec.space
+    for ex in colmajor.examples:
+        full = colmajor.canonical_shape(ex)
+        assert colmajor.default_config(full, "sm_90a") == spec.default_config(full, "sm_90a")
+    assert colmajor.outputs[1].dims[1] == Align("num_tokens", 4)
+    import kernel_specs
+
+    assert kernel_specs.INDEX[COLMAJOR] == kernel_specs.INDEX[NAME]
+
+
+@pytest.mark.parametrize("n,padded", [(1, 4), (3, 4), (4, 4), (5, 8), (4001, 4004), (65536, 65536)])
+def test_colmajor_output_dims(colmajor, n, padded):
+    full = colmajor.canonical_shape(_shape(num_tokens=n, hidden=7168, group=128))
+    (o, _, odims), (s, sdt, sdims) = colmajor.output_decls(full)
+    assert (o, odims) == ("out", (n, 7168))
+    assert (s, sdt, sdims) == ("scales", "float32", (56, padded))
+    assert colmajor.bytes_moved(full) == n * 7168 * 3 + 56 * padded * 4
+
+
+def test_colmajor_reference_hand_checked(spec, colmajor):
+    # 5 tokens -> columns padded to 8; scale (t, g) = t + 1 + 10 g exactly (amax = 448 * scale).
+    s = colmajor.canonical_shape({"num_tokens": 5, "hidden": 64, "group": 32, "in_dtype": "float32"})
+    x = torch.zeros(5, 64)
+    for t in range(5):
+        for g in range(2):
+            x[t, g * 32 + 7] = -448.0 * (t + 1 + 10 * g)
+            x[t, g * 32 + 9] = 1.0
+    q, storage = colmajor.reference(s, x)
+    assert storage.dtype == torch.float32 and storage.shape == (2, 8) and storage.is_contiguous()
+    flat = storage.reshape(-1)
+    for t in range(5):
+        for g in range(2):
+            assert flat[g * 8 + t].item() == t + 1 + 10 * g
+    assert (storage[:, 5:] == 0).all() and not storage[:, 5:].signbit().any()  # padding: +0.0
+    q_row, sf_row = spec.reference(s, x)
+    assert torch.equal(q.view(torch.uint8), q_row.view(torch.uint8))
+    assert torch.equal(storage[:, :5].T, sf_row)
+    assert q[2, 7].float().item() == -448.0 and q[2, 9].float().item() == 0.34375  # 1/3 -> nearest e4m3
+
+
+def test_colmajor_reference_round_scale_and_wide_group(spec, colmajor):
+    s = colmajor.canonical_shape({"num_tokens": 6, "hidden": 576, "group": 576, "round_scale": True})
+    (x,) = colmajor.make_inputs(s, "cpu", 1)
+    q, storage = colmajor.reference(s, x)
+    q_row, sf_row = spec.reference(s, x)
+    assert storage.shape == (1, 8) and torch.equal(storage[:, :6].T, sf_row) and (storage[:, 6:] == 0).all()
+    assert torch.equal(q.view(torch.uint8), q_row.view(torch.uint8))
+
+
+def _fake_kernel(spec, shape):
+    """A CompiledKernel whose 'launch' writes the reference: exercises checks, allocation, ops views."""
+    full = spec.canonical_shape(shape)
+
+    def launch(x, *outs):
+        ref = spec.reference({**full, "num_tokens": x.shape[0]}, x)
+        for o, r in zip(outs, ref):
+            o.copy_(r)
+
+    return CompiledKernel(spec, full, spec.default_config(full), "cpu", "0" * 40, "explicit", Path("."), launch)
+
+
+def test_colmajor_allocates_and_checks_aligned_scales(colmajor):
+    k = _fake_kernel(colmajor, {"num_tokens": 5, "hidden": 256, "group": 128})
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    q, storage = k(x)
+    assert q.shape == (5, 256) and storage.shape == (2, 8)
+    out = torch.empty(5, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(tkjit.TensorError, match="rounded up to a multiple of 4"):
+        k(x, out=(out, torch.empty(2, 5)))
+    with pytest.raises(tkjit.TensorError, match=r"expected \(2, align\(num_tokens, 4\)\)"):
+        k(x, out=(out, torch.empty(5, 2)))  # a row-major buffer is refused
+    k(x, out=(out, torch.empty(2, 8)))
+
+
+def test_colmajor_check_catches_unwritten_padding(colmajor):
+    """tkjit.testing.check poisons outputs: a kernel that skipped the padding would not pass."""
+    from tkjit.testing import check
+
+    shape = {"num_tokens": 7, "hidden": 256, "group": 64}
+    k = _fake_kernel(colmajor, shape)
+    assert check(k, shape, device="cpu") is None
+    full = colmajor.canonical_shape(shape)
+
+    def no_padding(x, q, storage):
+        rq, rs = colmajor.reference(full, x)
+        q.copy_(rq)
+        storage[:, :7] = rs[:, :7]
+
+    k._launch = no_padding
+    assert "scales: 4 of 32 elements differ" in check(k, shape, device="cpu")
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 13])
+def test_ops_col_major_view(monkeypatch, n):
+    import tkjit.ops
+
+    seen = []
+
+    def fake_get(name, shape, arch=None, config=None):
+        seen.append(name)
+        return _fake_kernel(get_spec(name), shape)
+
+    monkeypatch.setattr(tkjit.ops, "get", fake_get)
+    x = torch.randn(n, 256) * 3
+    q, s = tkjit.ops.per_token_cast(x, 64, col_major_scales=True)
+    q_row, s_row = tkjit.ops.per_token_cast(x, 64)
+    assert seen == [COLMAJOR, NAME]
+    padded = -(-n // 4) * 4
+    assert s.shape == (n, 4) and s_row.shape == (n, 4)
+    assert torch.equal(s, s_row) and torch.equal(q.view(torch.uint8), q_row.view(torch.uint8))
+    if n:  # (an empty batch launches nothing; its view has no meaningful strides)
+        assert s.stride() == (1, padded)
+        base = s.T  # (4, n) rows of the padded storage
+        assert base.stride() == (padded, 1) and s.data_ptr() == base.data_ptr()
+        assert s.untyped_storage().nbytes() == 4 * padded * 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "shape,config",
+    "name,shape,config",
     [
-        ({"hidden": 7168, "group": 128}, None),  # the DeepSeek default: bf16, 16-byte loads
-        ({"hidden": 7168, "group": 7168, "in_dtype": "float32"}, None),  # cross-warp (shared) reduction
-        ({"hidden": 576, "group": 32, "round_scale": True}, {"vec": 16, "group_threads": 2, "threads": 128,
-                                                             "iters": 4}),
-        ({"hidden": 4096, "group": 64, "in_dtype": "float32"}, {"vec": 4, "group_threads": 1, "threads": 512,
-                                                                 "iters": 1}),
+        (NAME, {"hidden": 7168, "group": 128}, None),  # the DeepSeek default: bf16, 16-byte loads
+        (NAME, {"hidden": 7168, "group": 7168, "in_dtype": "float32"}, None),  # cross-warp (shared) reduction
+        (NAME, {"hidden": 576, "group": 32, "round_scale": True}, {"vec": 16, "group_threads": 2, "threads": 128,
+                                                                   "iters": 4}),
+        (NAME, {"hidden": 4096, "group": 64, "in_dtype": "float32"}, {"vec": 4, "group_threads": 1, "threads": 512,
+                                                                       "iters": 1}),
+        (COLMAJOR, {"hidden": 7168, "group": 128}, None),
+        (COLMAJOR, {"hidden": 576, "group": 576, "round_scale": True}, None),  # cross-warp reduction
+        (COLMAJOR, {"hidden": 576, "group": 32, "in_dtype": "float32"}, {"vec": 4, "group_threads": 2,
+                                                                          "threads": 128, "iters": 4}),
     ],
 )
-def test_compiles_for_sm90a(cache_dir, shape, config):
-    k = tkjit.get(NAME, {"num_tokens": 4001, **shape}, arch="sm_90a", config=config)
+def test_compiles_for_sm90a(cache_dir, name, shape, config):
+    k = tkjit.get(name, {"num_tokens": 4001, **shape}, arch="sm_90a", config=config)
     src = (k.path / "kernel.cu").read_text()
     assert "__fdiv_rn" in src  # IEEE divisions whatever the fast-math setting
     if shape.get("round_scale"):
         assert "8388607" in src or "0x7fffff" in src.lower()
+    # Column-major: the value store plus the last token's padding store (zeros).
+    assert src.count("scales[") == (2 if name == COLMAJOR else 1)

@@ -53,12 +53,23 @@ def topk_gate(scores: torch.Tensor, k: int, *, config=None) -> torch.Tensor:
     return get("topk_gate", shape, arch=_arch_of(scores), config=config)(scores)
 
 
-def per_token_cast(x: torch.Tensor, group: int = 128, *, round_scale: bool = False, config=None):
-    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales per `group` channels)."""
+def per_token_cast(
+    x: torch.Tensor, group: int = 128, *, round_scale: bool = False, col_major_scales: bool = False, config=None
+):
+    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales per `group` channels).
+
+    scales is (num_tokens, hidden // group) either way. col_major_scales: it is the strided view
+    storage[:, :num_tokens].T of a TMA-aligned column-major (hidden // group, align(num_tokens, 4))
+    buffer (strides (1, align(num_tokens, 4)); padding holds 0), the layout DeepGEMM consumes and
+    TileKernels' `use_tma_aligned_col_major_sf` returns.
+    """
     _need(x, 2, "per_token_cast")
     shape = {"num_tokens": max(1, x.shape[0]), "hidden": x.shape[1], "group": group,
              "in_dtype": _DTYPE_NAMES.get(x.dtype, str(x.dtype)), "round_scale": round_scale}
-    return get("per_token_cast", shape, arch=_arch_of(x), config=config)(x)
+    if not col_major_scales:
+        return get("per_token_cast", shape, arch=_arch_of(x), config=config)(x)
+    q, storage = get("per_token_cast_colmajor", shape, arch=_arch_of(x), config=config)(x)
+    return q, storage[:, : x.shape[0]].T
 
 
 def transpose(x: torch.Tensor, *, config=None) -> torch.Tensor:

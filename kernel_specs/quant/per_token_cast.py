@@ -10,10 +10,26 @@ Semantics follow TileKernels' `per_token_cast` (e4m3) and its torch reference `c
 bit-exact against the reference below for finite inputs (inf/NaN inputs are not supported: the
 kernel's clamp turns a NaN product into 448 where torch keeps NaN).
 
-Scales are written row-major, (num_tokens, hidden // group). TileKernels' optional TMA-aligned
-column-major layout stores them as (num_groups, align(num_tokens, 4)); that extent is arithmetic on
-a runtime size, which a TensorArg dim cannot express (dims are a runtime param name or static), so it
-is not offered here.
+Two specs share this file and one builder; they differ only in how the scales are stored:
+  per_token_cast           scales (num_tokens, num_groups), row-major; num_groups = hidden // group.
+  per_token_cast_colmajor  scales stored column-major and TMA-aligned, the layout DeepGEMM consumes
+                           (TileKernels' `use_tma_aligned_col_major_sf`): storage (num_groups, T4),
+                           T4 = align(num_tokens, 4), so every group's column starts on 16 bytes;
+                           scale (token t, group g) lives at g * T4 + t. Padding entries
+                           (t in [num_tokens, T4)) are written 0.0, so the whole storage is
+                           deterministic and compared bit-exact (TileKernels leaves them unwritten).
+                           Callers want the (num_tokens, num_groups) view storage[:, :num_tokens].T
+                           (strides (1, T4)), which is what `tkjit.ops.per_token_cast(...,
+                           col_major_scales=True)` returns, as TileKernels does.
+Why two specs rather than a `col_major_scales` static param: a TensorArg's dims tuple is fixed, and
+each entry is either a runtime size (a name, or Align) or a number from static params; the two
+layouts put the runtime axis first resp. second, so "axis order depends on a static param" is not
+expressible without changing the core. A second spec keeps both layouts fully checked (shape,
+Align rounding, allocation) by CompiledKernel, tuned and cached under their own names; the values
+and the tunable space are identical. The column-major scale stores are 4-byte scatters (a warp's
+groups are mostly one token's neighbouring groups, T4 * 4 bytes apart); they are 1/32 of the fp8
+bytes at group 128, and neighbouring tokens' stores land in the same sectors close in time, so L2
+should merge them before DRAM (not yet measured on the H200).
 
 The whole tensor is a sequence of num_tokens * hidden / group contiguous groups. A group is owned by
 `group_threads` consecutive threads; thread t of a group loads chunks i * group_threads + t of `vec`
@@ -26,11 +42,12 @@ DRAM and kept in registers until it is cast.
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance
 
 GROUPS = (32, 64, 128)
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
+TMA_ALIGN = 4  # float32 scales per 16 bytes (TileKernels' alloc_scaling_factors: align(tokens, 4) for f32)
 MAX_ELEMS_PER_THREAD = 128  # registers per thread for the staged x
 SPACE = {
     "vec": (4, 8, 16),  # elements per chunk (one or two 16-byte loads)
@@ -107,6 +124,14 @@ def arch_constraint(arch, c):
 
 
 def build(shape, c):
+    return _build(shape, c, col_major=False)
+
+
+def build_colmajor(shape, c):
+    return _build(shape, c, col_major=True)
+
+
+def _build(shape, c, col_major):
     from tilelang import language as T
 
     H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
@@ -121,12 +146,15 @@ def build(shape, c):
     wpg = max(1, tpg // 32)  # warps per group
     num_tokens = T.dynamic("num_tokens")
     f32, fp8 = T.float32, T.float8_e4m3fn
+    # Column-major scales: (NG, num_tokens rounded up to TMA_ALIGN), the same expression as the
+    # TensorArg's Align("num_tokens", TMA_ALIGN), so the launcher's shape check binds it.
+    sf_shape = (NG, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, NG)
 
     @T.prim_func
     def per_token_cast(
         x: T.Tensor[(num_tokens, H), in_dtype],
         out: T.Tensor[(num_tokens, H), fp8],
-        scales: T.Tensor[(num_tokens, NG), f32],
+        scales: T.Tensor[sf_shape, f32],
     ):
         with T.Kernel(T.ceildiv(num_tokens * NG, gpb), threads=threads) as bx:
             tx = T.get_thread_binding()
@@ -180,7 +208,14 @@ def build(shape, c):
                                 fp8,
                             )
                     if t == 0:
-                        scales[row, pc % NG] = sf[0]
+                        if col_major:
+                            scales[pc % NG, row] = sf[0]
+                            if row == num_tokens - 1:  # the last token's owner zeroes its column's padding
+                                for j in T.unroll(1, TMA_ALIGN):
+                                    if row + j < sf_shape[1]:
+                                        scales[pc % NG, row + j] = T.float32(0)
+                        else:
+                            scales[row, pc % NG] = sf[0]
 
     return per_token_cast
 
@@ -212,43 +247,78 @@ def reference(shape, x):
     return q, sf.view(n, h // g)
 
 
+def reference_colmajor(shape, x):
+    """Same values as `reference`; scales as (num_groups, align(num_tokens, 4)), padding 0.0."""
+    q, sf = reference(shape, x)
+    n, ng = sf.shape
+    storage = torch.zeros(ng, -(-n // TMA_ALIGN) * TMA_ALIGN, dtype=torch.float32)
+    storage[:, :n] = sf.T
+    return q, storage
+
+
 def pass_configs(c):
     return {"tl.disable_warp_specialized": True}
 
 
+def _bytes_moved(s, col_major=False):
+    n, h, ng = s["num_tokens"], s["hidden"], s["hidden"] // s["group"]
+    sf_rows = -(-n // TMA_ALIGN) * TMA_ALIGN if col_major else n
+    return n * h * (_elem_bytes(s) + 1) + ng * sf_rows * 4
+
+
+PARAMS = (
+    Runtime("num_tokens", hi=1 << 24, doc="tokens; runtime size, tuned per power-of-two bucket"),
+    Static("hidden", lo=16, hi=65536, default=7168, doc="channels per token"),
+    Static("group", lo=16, hi=65536, default=128, doc="channels per scale: 32, 64, 128 or hidden"),
+    Static("in_dtype", type=str, values=("bfloat16", "float32"), default="bfloat16"),
+    Static("round_scale", type=bool, default=False, doc="round scales up to powers of two (UE8M0)"),
+)
+EXAMPLES = (
+    {"num_tokens": 4096, "hidden": 7168, "group": 128},
+    {"num_tokens": 32768, "hidden": 7168, "group": 128},
+    {"num_tokens": 4096, "hidden": 4096, "group": 128, "round_scale": True},
+    {"num_tokens": 4096, "hidden": 7168, "group": 7168, "in_dtype": "float32"},
+)
+COMMON = dict(
+    family="quant",
+    params=PARAMS,
+    space=SPACE,
+    default=default,
+    constraint=constraint,
+    arch_constraint=arch_constraint,
+    check_shape=check_shape,
+    pass_configs=pass_configs,
+    inputs=(TensorArg("x", lambda s: s["in_dtype"], ("num_tokens", "hidden")),),
+    make_inputs=make_inputs,
+    tolerance=Tolerance(exact=True),
+)
+_OUT = TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden"))
+
 SPEC = register(
     KernelSpec(
         name="per_token_cast",
-        family="quant",
-        doc="per-token, per-group FP8 e4m3 cast with float32 scales (amax / 448)",
-        params=(
-            Runtime("num_tokens", hi=1 << 24, doc="tokens; runtime size, tuned per power-of-two bucket"),
-            Static("hidden", lo=16, hi=65536, default=7168, doc="channels per token"),
-            Static("group", lo=16, hi=65536, default=128, doc="channels per scale: 32, 64, 128 or hidden"),
-            Static("in_dtype", type=str, values=("bfloat16", "float32"), default="bfloat16"),
-            Static("round_scale", type=bool, default=False, doc="round scales up to powers of two (UE8M0)"),
-        ),
-        space=SPACE,
-        default=default,
-        constraint=constraint,
-        arch_constraint=arch_constraint,
-        check_shape=check_shape,
+        doc="per-token, per-group FP8 e4m3 cast with float32 scales (amax / 448), scales row-major",
         build=build,
-        pass_configs=pass_configs,
-        inputs=(TensorArg("x", lambda s: s["in_dtype"], ("num_tokens", "hidden")),),
-        outputs=(
-            TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden")),
-            TensorArg("scales", "float32", ("num_tokens", lambda s: s["hidden"] // s["group"])),
-        ),
-        make_inputs=make_inputs,
+        outputs=(_OUT, TensorArg("scales", "float32", ("num_tokens", lambda s: s["hidden"] // s["group"]))),
         reference=reference,
-        tolerance=Tolerance(exact=True),
-        bytes_moved=lambda s: s["num_tokens"] * (s["hidden"] * (_elem_bytes(s) + 1) + (s["hidden"] // s["group"]) * 4),
-        examples=(
-            {"num_tokens": 4096, "hidden": 7168, "group": 128},
-            {"num_tokens": 32768, "hidden": 7168, "group": 128},
-            {"num_tokens": 4096, "hidden": 4096, "group": 128, "round_scale": True},
-            {"num_tokens": 4096, "hidden": 7168, "group": 7168, "in_dtype": "float32"},
+        bytes_moved=_bytes_moved,
+        examples=EXAMPLES,
+        **COMMON,
+    )
+)
+
+SPEC_COLMAJOR = register(
+    KernelSpec(
+        name="per_token_cast_colmajor",
+        doc="per_token_cast with TMA-aligned column-major scales (num_groups, align(num_tokens, 4)), padding 0",
+        build=build_colmajor,
+        outputs=(
+            _OUT,
+            TensorArg("scales", "float32", (lambda s: s["hidden"] // s["group"], Align("num_tokens", TMA_ALIGN))),
         ),
+        reference=reference_colmajor,
+        bytes_moved=lambda s: _bytes_moved(s, col_major=True),
+        examples=EXAMPLES,
+        **COMMON,
     )
 )

@@ -1,9 +1,10 @@
-"""per_token_cast on the GPU: the default and every config of the space, bit-exact, poisoned outputs."""
+"""per_token_cast(_colmajor) on the GPU: the default and every config of the space, bit-exact, poisoned outputs."""
 
 import pytest
 import torch
 
 import tkjit
+import tkjit.ops
 from tkjit.compiler import compile_many
 from tkjit.testing import check
 
@@ -108,3 +109,84 @@ def test_report_time_at_target():
     us = start.elapsed_time(end) * 20
     gbs = kern.spec.bytes_moved(kern.shape | {"num_tokens": 32768}) / us / 1e3
     print(f"\nper_token_cast 32768x7168 bf16 g128 {kern.config}: {us:.1f} us/call, {gbs:.0f} GB/s")
+
+
+# -- column-major, TMA-aligned scales (per_token_cast_colmajor) --------------------------------------
+COLMAJOR = "per_token_cast_colmajor"
+COLMAJOR_DEFAULTS = [
+    {"hidden": 7168, "group": 128},
+    {"hidden": 576, "group": 32},
+    {"hidden": 576, "group": 576, "round_scale": True},  # one group per token (group == hidden)
+]
+COLMAJOR_CONFIGS = [  # a handful besides the defaults (not the space: the values path is shared)
+    ({"hidden": 7168, "group": 128}, {"vec": 8, "group_threads": 1, "threads": 128, "iters": 4}),
+    ({"hidden": 7168, "group": 128, "round_scale": True}, {"vec": 16, "group_threads": 8, "threads": 512,
+                                                           "iters": 1}),
+    ({"hidden": 7168, "group": 7168, "in_dtype": "float32"}, None),  # wide group, cross-warp reduction
+    ({"hidden": 576, "group": 32, "in_dtype": "float32"}, {"vec": 4, "group_threads": 8, "threads": 256,
+                                                           "iters": 4}),
+    ({"hidden": 576, "group": 64}, {"vec": 8, "group_threads": 2, "threads": 128, "iters": 1}),
+]
+
+
+@pytest.fixture(scope="module")
+def colmajor_compiled():
+    """The col-major variants below, compiled in parallel up front (keeps the added time small)."""
+    spec = tkjit.get_spec(COLMAJOR)
+    jobs = []
+    for static, cfg in [(s, None) for s in COLMAJOR_DEFAULTS] + COLMAJOR_CONFIGS:
+        full = spec.canonical_shape({**static, "num_tokens": 7})
+        jobs.append((COLMAJOR, spec.static_shape(full), cfg or spec.default_config(full, "sm_90a"), "sm_90a",
+                     "explicit"))
+    errors = compile_many(jobs)
+    assert all(err is None for _, err in errors), [err for _, err in errors if err]
+
+
+@pytest.mark.parametrize("static", COLMAJOR_DEFAULTS, ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_colmajor_default_config(colmajor_compiled, static):
+    """Tokens 1, 7, 4001 pad the columns to 4, 8, 4004 (padding must come back 0); 65536 needs none."""
+    for t in (1, 7, 4001, 65536):
+        kern = tkjit.get(COLMAJOR, {**static, "num_tokens": t})
+        assert check(kern, {**static, "num_tokens": t}, seed=t) is None
+
+
+@pytest.mark.parametrize("static,config", COLMAJOR_CONFIGS, ids=lambda v: "-".join(map(str, v.values())) if v else "d")
+def test_colmajor_other_configs(colmajor_compiled, static, config):
+    for t in (1, 7, 4001):
+        kern = tkjit.get(COLMAJOR, {**static, "num_tokens": t}, config=config)
+        assert check(kern, {**static, "num_tokens": t}, seed=t + 1) is None
+
+
+def test_colmajor_ops_view_matches_row_major():
+    x = torch.randn(4001, 7168, device="cuda", dtype=torch.bfloat16)
+    q, s = tkjit.ops.per_token_cast(x, 128, col_major_scales=True)
+    q_row, s_row = tkjit.ops.per_token_cast(x, 128)
+    assert s.shape == (4001, 56) and s.stride() == (1, 4004)
+    assert torch.equal(q.view(torch.uint8), q_row.view(torch.uint8)) and torch.equal(s, s_row)
+    storage = torch.as_strided(s, (56, 4004), (4004, 1))  # the whole padded buffer
+    assert (storage[:, 4001:] == 0).all()
+    empty_q, empty_s = tkjit.ops.per_token_cast(x[:0], 128, col_major_scales=True)
+    assert empty_q.shape == (0, 7168) and empty_s.shape == (0, 56)
+
+
+def test_colmajor_bad_scale_buffers_raise():
+    kern = tkjit.get(COLMAJOR, {"num_tokens": 5, "hidden": 576, "group": 64})
+    x = torch.randn(5, 576, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(5, 576, device="cuda", dtype=torch.float8_e4m3fn)
+    with pytest.raises(tkjit.TensorError, match="rounded up to a multiple of 4"):
+        kern(x, out=(out, torch.empty(9, 5, device="cuda")))  # unpadded columns
+    with pytest.raises(tkjit.TensorError, match="axis 0 must be 9"):
+        kern(x, out=(out, torch.empty(5, 9, device="cuda")))  # row-major buffer
+    q, storage = kern(x, out=(out, torch.full((9, 8), float("nan"), device="cuda")))
+    assert storage.isfinite().all() and (storage[:, 5:] == 0).all()
+
+
+def test_colmajor_matches_tile_kernels_layout():
+    """Where TileKernels is installed: same (num_tokens, num_groups) view, same strides, same values."""
+    tk = pytest.importorskip("tile_kernels.quant")
+    x = torch.randn(4001, 7168, device="cuda", dtype=torch.bfloat16)
+    q_tk, s_tk = tk.per_token_cast(x, "e4m3", 128, use_tma_aligned_col_major_sf=True)
+    q, s = tkjit.ops.per_token_cast(x, 128, col_major_scales=True)
+    assert s.shape == s_tk.shape and s.stride() == s_tk.stride()
+    assert torch.allclose(s, s_tk, rtol=1e-6, atol=0)
+    assert (q.view(torch.uint8) != q_tk.view(torch.uint8)).float().mean().item() < 1e-3
