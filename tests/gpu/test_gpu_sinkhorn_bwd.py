@@ -46,7 +46,7 @@ def test_default_config(static, token_counts):
             assert check(k, {**static, "num_tokens": t}, seed=seed) is None
 
 
-@pytest.mark.parametrize("static", [{"n": 4, "repeat": 10}, {"n": 2, "repeat": 3, "eps": 1e-3}], ids=str)
+@pytest.mark.parametrize("static", [{"n": 4, "repeat": 10}], ids=str)  # 384 variants, ~3 min to compile
 def test_every_config(static):
     spec = tkjit.get_spec("sinkhorn_bwd")
     arch = current_arch()

@@ -49,12 +49,10 @@ CASES = [
 ]
 
 # Static shapes whose whole space is compiled and run.
-EVERY_CONFIG = [
+EVERY_CONFIG = [  # ~600 variants: compile_many takes ~3 minutes on 16 cores
     ("transpose", {"dtype": "bfloat16", "cols": 7168}, [{"rows": r} for r in (512, 1001, 65, 1)]),
-    ("transpose", {"dtype": "float32", "cols": 129}, [{"rows": r} for r in (1024, 65, 3)]),
     ("transpose", {"dtype": "float8_e4m3fn", "cols": 7168}, [{"rows": r} for r in (1024, 1001, 1)]),
-    ("transpose", {"dtype": "float64", "cols": 96}, [{"rows": r} for r in (256, 33)]),
-    ("batched_transpose", {"dtype": "bfloat16", "cols": 1032}, [{"rows": 1000, "batch": 3}, {"rows": 64, "batch": 2}]),
+    ("batched_transpose", {"dtype": "float32", "cols": 129}, [{"rows": 1000, "batch": 3}, {"rows": 64, "batch": 2}]),
 ]
 
 
