@@ -106,6 +106,15 @@ def test_reference_and_inputs():
         for r in range(3):
             for c in range(5):
                 assert y[c, r:r + 1].view(torch.uint8).tolist() == x[r, c:c + 1].view(torch.uint8).tolist()
+    for dtype in ("bfloat16", "float32", "int16", "int8"):
+        big = s.canonical_shape({"dtype": dtype, "cols": 256, "rows": 256})
+        (xb,) = s.make_inputs(big, seed=0)
+        if xb.dtype.is_floating_point:
+            assert not xb.isnan().any()
+        else:
+            assert not (xb == torch.iinfo(xb.dtype).min).any()
+    f8 = s.canonical_shape({"dtype": "float8_e4m3fn", "cols": 256, "rows": 256})
+    assert not (s.make_inputs(f8, seed=0)[0].view(torch.uint8) == 0xFF).any()
     (x2,) = s.make_inputs(full, seed=2)
     assert not torch.equal(x, x2)
     b = bspec().canonical_shape({"dtype": "float32", "cols": 4, "rows": 3, "batch": 2})
