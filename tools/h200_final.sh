@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 timeout 45 python tools/coldstart.py --runs 3 --breakdown > "$OUT/coldstart.txt" 2>&1
 python -X importtime -c "import torch; import tvm_ffi" 2>&1 | sort -t'|' -k2 -n | tail -12 >> "$OUT/coldstart.txt"
-timeout 250 python tools/pretune.py --arch sm_90a --update-shipped --quiet --json "$OUT/pretune.json" \
+timeout 220 python tools/pretune.py --arch sm_90a --update-shipped --time-budget 16 --quiet --json "$OUT/pretune.json" \
   > "$OUT/pretune.txt" 2>&1; echo "pretune rc=$?" >> "$OUT/pretune.txt"
 cp tuning_db/sm_90a/*.json "$OUT/" 2>/dev/null
 TKJIT_CACHE_DIR=/tmp/tkc-fresh timeout 30 python -c "
