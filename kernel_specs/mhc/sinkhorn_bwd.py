@@ -14,16 +14,15 @@ and its denominators d. Keeping 2*repeat matrices per token would be 16*(2*repea
 the kernel keeps only the denominators (n per step) and P, and walks the steps backwards
 *inverting* them: X = Y * d recovers each step's input (= the previous step's output) from its
 output, to within a few ulps. Per token that is n*n (P) + n*n (Y) + n*n (G) + (2*repeat-1)*n
-floats: 128 registers for n = 4, repeat = 10.
+floats (124 for n = 4, repeat = 10); nvcc reports 144 registers, 124 with keep_p=False.
 
 Layouts (tunable):
   thread  one token per thread (T.Parallel over the block's tokens), everything in that thread's
           registers / local memory; loads and stores of a token are 16-byte vectors.
   smem    grad_out and x tiles staged through shared memory with coalesced T.copy, then as thread.
 The step loop is unrolled (denominators at static indices: registers) while they can fit.
-min_threads_per_sm asks nvcc for that occupancy (fewer registers, maybe spills): ~210 registers
-per thread at n = 4 otherwise, i.e. about 9 warps per SM.
-recip multiplies by one reciprocal per row/column instead of dividing every element.
+min_threads_per_sm asks nvcc for that occupancy (__launch_bounds__ min blocks: fewer registers,
+maybe spills). recip keeps 1/d per row/column and multiplies instead of dividing every element.
 keep_p=False drops P from the registers (n*n fewer live values, higher occupancy) and recovers it
 by inverting step 0 as well: P = A - eps (absolute error ~ ulp(A), harmless in dL/dx = ... * P).
 """

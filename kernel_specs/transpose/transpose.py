@@ -13,19 +13,22 @@ Layout (one thread block per block_rows x block_cols tile of x):
      already in y's layout (block_cols rows of block_rows elements).
   3. After the barrier, threads copy the shared tile to y with vec_bytes-wide stores, lanes
      running along y's rows: whole lines again.
-  The shared tile is swizzled: 16-byte chunk q of shared row `row` lives at chunk q ^ ((row / k) % G)
+  The shared tile is swizzled: vector chunk q of shared row `row` lives at chunk q ^ ((row / k) % G)
   with G = 128 / vec_bytes chunks per 128 bytes of banks, so the vector stores of step 2 (lanes
   walk down rows) and the vector loads of step 3 (lanes walk along a row) are both conflict-free.
   swizzle=False is the plain layout (bank conflicts in step 2), kept for the tuner to compare.
   The grid is 1-D over tiles (no 65535 limit), raster picks the order: "cols" = consecutive
   blocks take neighbouring column tiles of the same rows (x read a row band at a time), "rows" =
   neighbouring row tiles (y written a row band at a time); gridDim.y is the batch.
+  min_threads_per_sm=1024 puts __launch_bounds__(threads, 1024 / threads) on the kernel: nvcc then
+  fits a k <= 8 micro-tile thread in 64 registers (72 without), four 256-thread blocks per SM.
 
 Tails: a tile that lies wholly inside the tensor, with rows a multiple of k (so y's rows stay
 vector-aligned), takes the unchecked vector path; edge tiles check every row (and column when
 cols % block_cols != 0) and store y element by element. When cols is not a multiple of k the
 loads narrow to the largest power of two dividing cols. The kernel is written with T.Parallel
-loops (no explicit thread index), so it lowers on TileLang's C target as well.
+loops (no explicit thread index), so it lowers on TileLang's C target as well, for the dtypes
+the C backend has types for (ints, float16/32/64; not bfloat16 or fp8).
 """
 
 # No `from __future__ import annotations`: the prim_func annotations name local tuples.
