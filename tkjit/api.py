@@ -6,7 +6,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from tkjit.registry import get_spec
 from tkjit.spec import KernelSpec
 
 _memo: dict[tuple, CompiledKernel] = {}  # exact get() arguments -> kernel (the hot path)
-_by_key: dict[str, CompiledKernel] = {}  # cache key -> kernel (other runtime sizes, same binary)
+_by_key: dict[str, Callable[..., Any]] = {}  # cache key -> loaded launcher (one dlopen per binary)
 _lock = threading.Lock()
 _cache: Cache | None = None
 _warned_readonly = False
@@ -97,12 +97,13 @@ def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -
     static = spec.static_shape(full)
     entry, key = ensure_entry(spec, static, cfg, arch, source)
     with _lock:
-        k = _by_key.get(key)
-    if k is None:
+        launch = _by_key.get(key)
+    if launch is None:
         launch = loader.load(entry.file(entry.meta["lib"]), entry.meta)
-        k = CompiledKernel(spec, full, cfg, arch, key, source, entry.path, launch)
         with _lock:
-            k = _by_key.setdefault(key, k)
+            launch = _by_key.setdefault(key, launch)
+    # A kernel object per request: other sizes may share the binary but not where the config came from.
+    k = CompiledKernel(spec, full, cfg, arch, key, source, entry.path, launch)
     if entry.path.parent.name == "entries":  # not for an uncached (read-only disk) build
         cache().touch(key)
     return k

@@ -105,6 +105,10 @@ class CompiledKernel:
         if device.type == "cuda" and device.index not in self._checked_devices:
             self._check_device(device)
         if all(v != 0 for v in sizes.values()):  # an empty batch launches nothing
+            if any(t.requires_grad for t in inputs):
+                # A kernel call is not an autograd op (tkjit.autograd wraps the pairs that are);
+                # DLPack export refuses tensors that require grad.
+                inputs = tuple(t.detach() for t in inputs)
             try:
                 self._launch(*inputs, *outs)
             except LaunchError:
