@@ -256,7 +256,8 @@ def test_cli_compile_list_show_clear_doctor(cache_dir):
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout
     r = _cli(cache_dir, "list")
-    assert r.returncode == 0 and "sinkhorn_fwd" in r.stdout and "sm_90a" in r.stdout and "default" in r.stdout
+    assert r.returncode == 0 and "sinkhorn_fwd" in r.stdout and "sm_90a" in r.stdout
+    assert "tuned:shipped" in r.stdout  # tuning_db/sm_90a serves a CPU host that names the arch
     assert "sinkhorn_fwd" in _cli(cache_dir, "show", "sinkhorn_fwd").stdout
     assert "layout" in _cli(cache_dir, "specs").stdout
     r = _cli(cache_dir, "doctor")
