@@ -214,17 +214,21 @@ def pass_configs(c):
     return {"tl.enable_fast_math": bool(c["fast_math"]), "tl.disable_warp_specialized": True}
 
 
+# Shared with sinkhorn_bwd, the gradient of this kernel: same shapes.
+PARAMS = (
+    Runtime("num_tokens", hi=1 << 26, doc="tokens; runtime size, tuned per power-of-two bucket"),
+    Static("n", lo=1, hi=16, default=4, doc="matrix size (mHC expansion rate)"),
+    Static("repeat", lo=1, hi=100, default=10, doc="row/column normalisation rounds"),
+    Static("eps", type=float, lo=0.0, hi=1.0, default=1e-6),
+)
+
+
 SPEC = register(
     KernelSpec(
         name="sinkhorn_fwd",
         family="mhc",
         doc="Sinkhorn normalisation of (num_tokens, n, n) float32 mixing matrices",
-        params=(
-            Runtime("num_tokens", hi=1 << 26, doc="tokens; runtime size, tuned per power-of-two bucket"),
-            Static("n", lo=1, hi=16, default=4, doc="matrix size (mHC expansion rate)"),
-            Static("repeat", lo=1, hi=100, default=10, doc="row/column normalisation rounds"),
-            Static("eps", type=float, lo=0.0, hi=1.0, default=1e-6),
-        ),
+        params=PARAMS,
         space={
             "layout": LAYOUTS,
             "block_tokens": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),

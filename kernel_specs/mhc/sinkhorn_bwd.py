@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from kernel_specs.mhc.sinkhorn import PARAMS, pass_configs
 from kernel_specs.mhc.sinkhorn import reference as sinkhorn_reference
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, TensorArg, Tolerance
 
 LAYOUTS = ("thread", "smem")
 SMEM_LIMIT = 48 * 1024
@@ -273,21 +274,12 @@ def reference(shape, grad_out, x):
     return gx.to(x.dtype)
 
 
-def pass_configs(c):
-    return {"tl.enable_fast_math": bool(c["fast_math"]), "tl.disable_warp_specialized": True}
-
-
 SPEC = register(
     KernelSpec(
         name="sinkhorn_bwd",
         family="mhc",
         doc="Gradient of sinkhorn_fwd: grad_x from (grad_out, x), forward recomputed in-kernel",
-        params=(
-            Runtime("num_tokens", hi=1 << 26, doc="tokens; runtime size, tuned per power-of-two bucket"),
-            Static("n", lo=1, hi=16, default=4, doc="matrix size (mHC expansion rate)"),
-            Static("repeat", lo=1, hi=100, default=10, doc="row/column normalisation rounds"),
-            Static("eps", type=float, lo=0.0, hi=1.0, default=1e-6),
-        ),
+        params=PARAMS,
         space={
             "layout": LAYOUTS,
             "block_tokens": (32, 64, 128, 256),
