@@ -123,8 +123,6 @@ def ensure_entry(
     cannot be pruned between verification and loading. A cache that cannot be written (read-only
     or full disk) still serves the kernel, built into a private temp dir, with one warning.
     """
-    from tkjit.compiler import compile_to_dir
-
     key, material = entry_key(spec, static, cfg, arch)
     meta = {
         "kernel": spec.name,
@@ -140,6 +138,7 @@ def ensure_entry(
     build_error: list[BaseException] = []
 
     def build(staging: Path) -> dict:
+        from tkjit.compiler import compile_to_dir  # imports TileLang: only on a miss
 
         t0 = time.perf_counter()
         try:
