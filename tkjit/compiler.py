@@ -1,14 +1,22 @@
 """Compile one (spec, static shape, config, arch) into artifact files; many of them in parallel.
 
 This is the only module that imports TileLang. Serving a cached kernel never comes here.
+
+Many variants compile on a spawn pool whose processes import TileLang once and publish through
+`ensure_entry`; the tuner keeps one pool alive across its batches and studies. A process that
+dies (a compiler segfault) breaks the pool: it is rebuilt and the batch's remaining jobs retried
+one at a time, so only the job that kills it again fails.
 """
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing as mp
 import os
 import shutil
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -86,18 +94,6 @@ def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str
     return {"abi": abi, "lib": KERNEL_LIB}
 
 
-def _worker(args: tuple) -> tuple[int, str | None, str | None]:
-    idx, name, static_shape, config, arch, source = args
-    from tkjit.api import ensure_entry
-    from tkjit.registry import get_spec
-
-    try:
-        _, key = ensure_entry(get_spec(name), static_shape, config, arch, source)
-        return idx, key, None
-    except Exception as e:  # reported per variant; one bad config must not stop the batch
-        return idx, None, f"{type(e).__name__}: {e}"
-
-
 def default_jobs() -> int:
     env = envs.JOBS.get()
     if env:
@@ -105,24 +101,111 @@ def default_jobs() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def compile_many(
-    jobs: Sequence[tuple[str, dict, dict, str, str]], n_jobs: int | None = None
-) -> list[tuple[str | None, str | None]]:
-    """Compile and publish (name, static_shape, config, arch, config_source) variants over a process pool.
+Job = tuple[str, dict, dict, str, str]  # (kernel, static shape, config, arch, config source)
+
+
+def _init(imports: Sequence[str]) -> None:
+    for m in imports:
+        importlib.import_module(m)
+    _import_tilelang()  # once per process, not per job
+
+
+def _compile_one(job: Job) -> tuple[str | None, str | None]:
+    from tkjit.api import ensure_entry
+    from tkjit.registry import get_spec
+
+    name, static, config, arch, source = job
+    try:
+        _, key = ensure_entry(get_spec(name), static, config, arch, source)
+        return key, None
+    except Exception as e:  # one bad config must not stop the batch
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _noop() -> None:
+    return None
+
+
+class CompilePool:
+    def __init__(self, n_jobs: int | None = None, imports: Sequence[str] = ()) -> None:
+        self.n_jobs = max(1, n_jobs or default_jobs())
+        self.imports = tuple(imports)
+        self._ex: ProcessPoolExecutor | None = None
+        self.compiled = 0  # jobs submitted (cache hits included): tests count these
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._ex is None:
+            self._ex = ProcessPoolExecutor(
+                max_workers=self.n_jobs, mp_context=mp.get_context("spawn"),
+                initializer=_init, initargs=(self.imports,),
+            )
+        return self._ex
+
+    def warm(self) -> None:
+        """Start the processes now (they import TileLang in the background)."""
+        ex = self._pool()
+        for _ in range(self.n_jobs):
+            ex.submit(_noop)
+
+    def compile(self, jobs: Sequence[Job]) -> list[tuple[str | None, str | None]]:
+        """(key, error) per job, in order."""
+        self.compiled += len(jobs)
+        if not jobs:
+            return []
+        try:
+            return list(self._pool().map(_compile_one, jobs))
+        except BrokenProcessPool:
+            self._reset()
+        out: list[tuple[str | None, str | None]] = []
+        for job in jobs:  # isolate the job that kills the compiler
+            try:
+                out.append(self._pool().submit(_compile_one, job).result())
+            except BrokenProcessPool:
+                self._reset()
+                out.append((None, "compiler process died (segfault?) on this config"))
+        return out
+
+    def compile_iter(self, jobs: Sequence[Job]):
+        """Yield (key, error) per job, in order, each as soon as it is done: the caller benchmarks
+        early results while the rest compile. A broken pool falls back to `compile` for the rest."""
+        self.compiled += len(jobs)
+        try:
+            futures = [self._pool().submit(_compile_one, j) for j in jobs]
+        except BrokenProcessPool:
+            self._reset()
+            futures = []
+        for i, f in enumerate(futures):
+            try:
+                res = f.result()
+            except BrokenProcessPool:
+                self._reset()
+                self.compiled -= len(jobs) - i
+                yield from self.compile(jobs[i:])
+                return
+            yield res
+        if not futures and jobs:
+            self.compiled -= len(jobs)
+            yield from self.compile(jobs)
+
+    def _reset(self) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(wait=False, cancel_futures=True)
+        self._ex = None
+
+    def close(self) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(wait=True, cancel_futures=True)
+        self._ex = None
+
+
+def compile_many(jobs: Sequence[Job], n_jobs: int | None = None) -> list[tuple[str | None, str | None]]:
+    """Compile and publish (name, static_shape, config, arch, config_source) variants in parallel.
 
     Returns (key, error) per job, in order. Specs are looked up by name in the workers, so they must
     be importable there (built-in, or registered through a `tkjit.specs` entry point).
     """
-    import multiprocessing as mp
-
-    n = min(n_jobs or default_jobs(), max(1, len(jobs)))
-    results: list[tuple[str | None, str | None]] = [(None, None)] * len(jobs)
-    if n == 1:
-        for i, j in enumerate(jobs):
-            results[i] = _worker((i, *j))[1:]
-        return results
-    # spawn: a forked TVM/CUDA state is not safe to reuse in the children.
-    with ProcessPoolExecutor(max_workers=n, mp_context=mp.get_context("spawn")) as ex:
-        for i, key, err in ex.map(_worker, [(i, *j) for i, j in enumerate(jobs)]):
-            results[i] = (key, err)
-    return results
+    pool = CompilePool(min(n_jobs or default_jobs(), max(1, len(jobs))))
+    try:
+        return pool.compile(jobs)
+    finally:
+        pool.close()

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             entries.append(r.db_entry())
         # Warm the cache: every served config is published (normally a cache hit from the search).
-        warm = [(e["kernel"], e["shape"], e["config"], arch) for e in entries]
+        warm = [(e["kernel"], e["shape"], e["config"], arch, "tuned:user") for e in entries]
         errs = [err for _, err in ev.pool.compile(warm) if err]
         for err in errs:
             print(f"pretune: warming the cache: {err}", file=sys.stderr)

@@ -69,7 +69,7 @@ class LocalEvaluator:
     ) -> None:
         import importlib
 
-        from tkjit.tuning.compile import CompilePool
+        from tkjit.compiler import CompilePool
         from tkjit.tuning.worker import BenchWorker, WorkerSetup
 
         for m in imports:  # the parent needs the specs too (registration, constraints)
@@ -86,11 +86,11 @@ class LocalEvaluator:
         return self.worker.start()
 
     def compile(self, spec, static, configs, arch):
-        return [err for _, err in self.pool.compile([(spec.name, static, c, arch) for c in configs])]
+        return [err for _, err in self.pool.compile([(spec.name, static, c, arch, "tuning") for c in configs])]
 
     def compile_iter(self, spec, static, configs, arch):
         """Errors in order, each as its compile finishes (benchmarks overlap the later compiles)."""
-        for _, err in self.pool.compile_iter([(spec.name, static, c, arch) for c in configs]):
+        for _, err in self.pool.compile_iter([(spec.name, static, c, arch, "tuning") for c in configs]):
             yield err
 
     def bench(self, spec, full, config, arch, seed):
