@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kernel_specs.mhc.sinkhorn import PARAMS, pass_configs
+from kernel_specs.mhc.sinkhorn import PARAMS, arch_constraint, pass_configs
 from kernel_specs.mhc.sinkhorn import reference as sinkhorn_reference
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, TensorArg, Tolerance
@@ -68,12 +68,6 @@ def constraint(shape, c):
     m = c["min_threads_per_sm"]
     if m and (m < th or m % th):
         return "min_threads_per_sm must be 0 or a multiple of threads"
-    return None
-
-
-def arch_constraint(arch, c):
-    if arch == "cpu" and (c["layout"] != "thread" or c["fast_math"]):
-        return "the C target runs the thread layout without fast math only"
     return None
 
 
