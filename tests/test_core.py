@@ -304,3 +304,10 @@ def test_aligned_runtime_dims_are_checked_and_allocated():
     with pytest.raises(tkjit.TensorError, match="rounded up to a multiple of 4"):
         k(torch.randn(5, 4), out=(torch.empty(5, 4), torch.empty(2, 5)))
     k(torch.randn(8, 4), out=(torch.empty(8, 4), torch.empty(2, 8)))
+
+
+def test_targets_that_cannot_lower_a_kernel_say_why(cache_dir):
+    with pytest.raises(tkjit.ConfigError, match="C target has no bfloat16"):
+        tkjit.ops.transpose(torch.randn(3, 5).bfloat16())
+    with pytest.raises(tkjit.ConfigError, match="CUDA targets only"):
+        tkjit.get("topk_gate", {"num_tokens": 4, "num_experts": 64, "k": 2}, arch="cpu")

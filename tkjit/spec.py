@@ -187,7 +187,8 @@ class KernelSpec:
     reference: Callable[..., Any]  # (shape, *inputs) -> output tensor(s)
     bytes_moved: Callable[[Shape], int]
     constraint: Callable[[Shape, Config], str | None] = lambda shape, config: None
-    arch_constraint: Callable[[str, Config], str | None] = lambda arch, config: None  # e.g. C target
+    # (arch, config, shape) -> reason or None: what a target cannot lower (e.g. the C target)
+    arch_constraint: Callable[[str, Config, Shape], str | None] = lambda arch, config, shape: None
     pass_configs: Callable[[Config], dict[str, Any]] = lambda config: {}
     tolerance: Tolerance = field(default_factory=Tolerance)
     flops: Callable[[Shape], int] | None = None
@@ -256,7 +257,7 @@ class KernelSpec:
             if v not in allowed or type(v) is not type(_match(allowed, v)):
                 raise ConfigError(f"{self.name}: config {k}={v!r} not in the space; allowed: {list(allowed)}")
         cfg = {k: config[k] for k in self.space}
-        reason = self.constraint(dict(shape), cfg) or (self.arch_constraint(arch, cfg) if arch else None)
+        reason = self.constraint(dict(shape), cfg) or (self.arch_constraint(arch, cfg, dict(shape)) if arch else None)
         if reason:
             raise ConfigError(f"{self.name}: config {cfg} not allowed for shape {dict(shape)}: {reason}")
         return cfg
@@ -269,17 +270,18 @@ class KernelSpec:
         out = []
         for combo in itertools.product(*(self.space[k] for k in keys)):
             cfg = dict(zip(keys, combo))
-            if not self.constraint(dict(shape), cfg) and not (arch and self.arch_constraint(arch, cfg)):
+            if not self.constraint(dict(shape), cfg) and not (arch and self.arch_constraint(arch, cfg, dict(shape))):
                 out.append(cfg)
         return out
 
     def default_config(self, shape: Mapping[str, Any], arch: str | None = None) -> Config:
         cfg = self.default(dict(shape))
-        if arch and self.arch_constraint(arch, cfg):
+        reason = self.arch_constraint(arch, cfg, dict(shape)) if arch else None
+        if reason:
             # The heuristic targets GPUs; on other targets take the first allowed config.
             allowed = self.configs(shape, arch)
             if not allowed:
-                raise ConfigError(f"{self.name}: no config in the space supports arch {arch}")
+                raise ConfigError(f"{self.name}: no config in the space supports arch {arch} ({reason})")
             cfg = allowed[0]
         return self.check_config(shape, cfg, arch)
 

@@ -56,7 +56,7 @@ def constraint(shape, c):
     return None
 
 
-def arch_constraint(arch, c):
+def arch_constraint(arch, c, shape):
     # TileLang's C target has no threads or fragments: only the per-thread layout lowers there.
     if arch == "cpu" and (c["layout"] != "thread" or c["fast_math"]):
         return "the C target runs the thread layout without fast math only"

@@ -78,7 +78,7 @@ def constraint(shape, c):
     return None
 
 
-def arch_constraint(arch, c):
+def arch_constraint(arch, c, shape):
     if arch == "cpu":
         return "needs warp shuffles: CUDA targets only"
     if c["reduce"] == "redux" and int(arch[3:].rstrip("af")) < 80:

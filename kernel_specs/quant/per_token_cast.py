@@ -117,7 +117,7 @@ def constraint(shape, c):
     return None
 
 
-def arch_constraint(arch, c):
+def arch_constraint(arch, c, shape):
     if arch == "cpu":
         return "needs warp shuffles and FP8 conversions: CUDA targets only"
     return None

@@ -234,6 +234,12 @@ def make_inputs(shape, device="cpu", seed=0):
     return (x.to(device),)
 
 
+def arch_constraint(arch, c, shape):
+    if arch == "cpu" and shape["dtype"] in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        return f"TileLang's C target has no {shape['dtype']} type"
+    return None
+
+
 def reference(shape, x):
     return x.transpose(-1, -2).contiguous()
 
@@ -260,6 +266,7 @@ SPEC = register(
         space=SPACE,
         default=default,
         constraint=constraint,
+        arch_constraint=arch_constraint,
         build=build,
         pass_configs=pass_configs,
         inputs=(TensorArg("x", _dtype_of, ("rows", "cols")),),
@@ -286,6 +293,7 @@ BATCHED_SPEC = register(
         space=SPACE,
         default=default,
         constraint=constraint,
+        arch_constraint=arch_constraint,
         build=build_batched,
         pass_configs=pass_configs,
         inputs=(TensorArg("x", _dtype_of, ("batch", "rows", "cols")),),

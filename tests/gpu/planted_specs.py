@@ -40,7 +40,7 @@ def build(shape, c):
     return planted
 
 
-def arch_constraint(arch, c):
+def arch_constraint(arch, c, shape):
     if c["variant"] == "segv" and arch != "cpu":
         return "raise(SIGSEGV) is the C target's planted crash"
     return None

@@ -62,7 +62,7 @@ class Space:
     def why_not(self, config: Mapping[str, Any]) -> str:
         reason = self.spec.constraint(dict(self.shape), dict(config))
         if not reason and self.arch:
-            reason = self.spec.arch_constraint(self.arch, dict(config))
+            reason = self.spec.arch_constraint(self.arch, dict(config), dict(self.shape))
         return reason or "outside the slice of the space being tuned"
 
     # -- Optuna encoding ----------------------------------------------------------------
