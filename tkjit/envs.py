@@ -28,14 +28,13 @@ CACHE_MAX_BYTES = EnvVar("TKJIT_CACHE_MAX_BYTES", None, "size cap of the cache; 
 NVCC = EnvVar("TKJIT_NVCC", None, "nvcc to use and key on (default: CUDA_HOME/bin/nvcc or PATH)")
 NO_TUNED_DB = EnvVar("TKJIT_NO_TUNED_DB", "0", "1: ignore tuned databases, serve heuristic defaults")
 GPU_NAME = EnvVar("TKJIT_GPU_NAME", None, "GPU model for tuning-DB lookup (default: the current GPU)")
+TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "directory of the shipped tuning DB (default: <repo>/tuning_db)")
 
-REGISTRY: tuple[EnvVar, ...] = (CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME)
+REGISTRY: tuple[EnvVar, ...] = (
+    CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, TUNING_DB,
+)
 
 
 def flag(var: EnvVar) -> bool:
     return (var.get() or "").lower() in ("1", "true", "yes", "on")
 
-
-# -- tuning (tkjit.tuning, tkjit.tuning_db, tools/pretune.py) --------------------------------
-TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "directory of the shipped tuning DB (default: <repo>/tuning_db)")
-REGISTRY = (*REGISTRY, TUNING_DB)
