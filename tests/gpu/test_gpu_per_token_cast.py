@@ -7,6 +7,7 @@ import tkjit
 import tkjit.ops
 from tkjit.compiler import compile_many
 from tkjit.testing import check
+from tkjit.timing import median, time_cuda
 
 pytestmark = pytest.mark.gpu
 NAME = "per_token_cast"
@@ -98,15 +99,7 @@ def test_report_time_at_target():
     kern = tkjit.get(NAME, {"num_tokens": 32768, "hidden": 7168, "group": 128})
     x = torch.randn(32768, 7168, device="cuda", dtype=torch.bfloat16)
     out = kern(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        kern(x, out=out)
-    start.record()
-    for _ in range(50):
-        kern(x, out=out)
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 20
+    us = median(time_cuda(lambda: kern(x, out=out)))
     gbs = kern.spec.bytes_moved(kern.shape | {"num_tokens": 32768}) / us / 1e3
     print(f"\nper_token_cast 32768x7168 bf16 g128 {kern.config}: {us:.1f} us/call, {gbs:.0f} GB/s")
 

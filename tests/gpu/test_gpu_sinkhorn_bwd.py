@@ -1,7 +1,6 @@
 """sinkhorn_bwd and tkjit.autograd.sinkhorn on a GPU: every config against torch autograd of the
 float64 reference, odd token counts, bad tensors, and a timing print (run with -s)."""
 
-import os
 
 import pytest
 import torch
@@ -11,22 +10,11 @@ from kernel_specs.mhc.sinkhorn import reference as fwd_reference
 from tkjit.arch import current_arch
 from tkjit.compiler import compile_many
 from tkjit.testing import check
+from tkjit.timing import median, time_cuda
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shared_cache(tmp_path_factory):
-    """One cache for the module (unless TKJIT_CACHE_DIR is set): variants compiled by compile_many
-    in one test are served to the others, and parent and workers agree on where they live."""
-    old = os.environ.get("TKJIT_CACHE_DIR")
-    if old is None:
-        os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("sinkhorn-bwd-gpu-cache"))
-    tkjit.reset()
-    yield
-    if old is None:
-        del os.environ["TKJIT_CACHE_DIR"]
-    tkjit.reset()
 
 CASES = [
     ({"n": 4, "repeat": 10}, (1, 31, 4001, 65536, 1 << 20)),
@@ -114,19 +102,8 @@ def test_speed_1m_tokens():
     g = torch.randn_like(x)
     out = torch.empty_like(x)
 
-    def time_us(fn, iters=50):
-        for _ in range(5):
-            fn()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e) * 1000 / iters
-
-    b_us = time_us(lambda: bwd(g, x, out=out))
-    f_us = time_us(lambda: fwd(x))
+    b_us = median(time_cuda(lambda: bwd(g, x, out=out)))
+    f_us = median(time_cuda(lambda: fwd(x)))
     print(f"\nsinkhorn 1M tokens n=4: bwd {b_us:.1f} us ({3 * x.numel() * 4 / b_us / 1e3:.0f} GB/s) "
           f"{bwd.config}; fwd {f_us:.1f} us")
     assert check(bwd, shape, seed=7) is None

@@ -9,6 +9,7 @@ import torch
 import tkjit
 from tkjit.compiler import compile_many
 from tkjit.testing import check
+from tkjit.timing import median, time_cuda
 
 pytestmark = pytest.mark.gpu
 NAME = "topk_gate"
@@ -104,13 +105,5 @@ def test_report_time_at_target():
     kern = tkjit.get(NAME, _shape(256, 8, 65536))
     x = torch.randn(65536, 256, device="cuda")
     out = kern(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
-        kern(x, out=out)
-    start.record()
-    for _ in range(100):
-        kern(x, out=out)
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 10  # ms per 100 -> us per call
-    print(f"\ntopk_gate 65536x256 k=8 {kern.config}: {us:.1f} us/call (includes launch overhead)")
+    us = median(time_cuda(lambda: kern(x, out=out)))
+    print(f"\ntopk_gate 65536x256 k=8 {kern.config}: {us:.1f} us/call (median, L2 flushed)")

@@ -1,7 +1,6 @@
 """transpose / batched_transpose on a GPU: every config against the exact reference, odd shapes,
 bad tensors, and the 16384 x 7168 bf16 timing (run with -s to see the numbers)."""
 
-import os
 
 import pytest
 import torch
@@ -10,22 +9,11 @@ import tkjit
 from tkjit.arch import current_arch
 from tkjit.compiler import compile_many
 from tkjit.testing import check
+from tkjit.timing import median, time_cuda
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shared_cache(tmp_path_factory):
-    """One cache for the module (unless TKJIT_CACHE_DIR is set): variants compiled by compile_many
-    in one test are served to the others, and parent and workers agree on where they live."""
-    old = os.environ.get("TKJIT_CACHE_DIR")
-    if old is None:
-        os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("transpose-gpu-cache"))
-    tkjit.reset()
-    yield
-    if old is None:
-        del os.environ["TKJIT_CACHE_DIR"]
-    tkjit.reset()
 
 # (spec, static shape, runtime sizes to run each kernel at)
 CASES = [
@@ -107,15 +95,7 @@ def test_bad_tensors():
 
 
 def _time_us(fn, iters=50):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    return median(time_cuda(fn, reps=iters))
 
 
 def test_speed_16384x7168_bf16():
