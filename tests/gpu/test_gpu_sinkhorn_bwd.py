@@ -86,12 +86,28 @@ def test_autograd_matches_reference(shape, repeat, eps):
         assert float((y.detach().cpu().double() - yr).norm() / yr.norm()) < 1e-5
         assert float((x.grad.cpu().double() - xd.grad).norm() / xd.grad.norm()) < 1e-5
     # Also through a graph: sinkhorn output feeding more ops, non-contiguous upstream gradient.
+    for w, bound in ((torch.randn(4, 4), None), (torch.arange(16.0).view(4, 4), "fp32")):
+        err, fp32_err = _graph_grad_errors(w)
+        # arange's pattern is w[i][j] = a_j + b_i: the doubly-stochastic output annihilates it, so the
+        # true gradient is ~1e-3 of a generic one and float32 torch autograd itself is off by ~1e-4.
+        # There the bar is float32 torch (H200, 2026-12-02: tkjit 2.7e-4 where the bar read 1e-5).
+        assert err < (1e-5 if bound is None else max(1e-5, 2 * fp32_err)), (w, err, fp32_err)
+
+
+def _graph_grad_errors(w):
+    """(tkjit's, float32 torch autograd's) relative grad error against float64 on a small graph."""
+    from tkjit.autograd import sinkhorn
+
     x = torch.randn(64, 4, 4, device="cuda", requires_grad=True)
-    (sinkhorn(x).transpose(1, 2) * torch.arange(16.0, device="cuda").view(4, 4)).sum().backward()
-    xd = x.detach().cpu().double().requires_grad_(True)
-    (fwd_reference({"repeat": 10, "eps": 1e-6}, xd).transpose(1, 2) * torch.arange(16.0).double().view(4, 4)).sum(
-    ).backward()
-    assert float((x.grad.cpu().double() - xd.grad).norm() / xd.grad.norm()) < 1e-5
+    w = w.to("cuda")
+    (sinkhorn(x).transpose(1, 2) * w).sum().backward()
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        xr = x.detach().to(dtype).requires_grad_(True)
+        (fwd_reference({"repeat": 10, "eps": 1e-6}, xr, dtype).transpose(1, 2) * w.to(dtype)).sum().backward()
+        grads[dtype] = xr.grad.double()
+    ref = grads[torch.float64]
+    return [float((g.double() - ref).norm() / ref.norm()) for g in (x.grad, grads[torch.float32])]
 
 
 def test_speed_1m_tokens():

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Launch one kernel a few times so Nsight Compute can profile it (GPU host).
+
+    ncu --clock-control none --launch-skip 3 --launch-count 1 --set detailed \\
+        python tools/profile.py topk_gate num_tokens=65536,num_experts=256,k=8 [--config '{"lanes": 8}']
+
+The kernel is served by tkjit.get (tuned config unless --config is given); inputs come from the
+spec's make_inputs. The first launches are warm-up, so skip them in ncu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import tkjit
+
+
+def parse_shape(text: str) -> dict:
+    shape = {}
+    for part in text.split(","):
+        k, v = part.split("=")
+        try:
+            shape[k] = json.loads(v)
+        except json.JSONDecodeError:
+            shape[k] = v  # a dtype name
+    return shape
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel")
+    ap.add_argument("shape", help="name=value,... e.g. num_tokens=4096,n=4")
+    ap.add_argument("--config", help="JSON config (default: what tkjit.get picks)")
+    ap.add_argument("--launches", type=int, default=5)
+    args = ap.parse_args()
+    spec = tkjit.get_spec(args.kernel)
+    full = spec.canonical_shape(parse_shape(args.shape))
+    k = tkjit.get(args.kernel, full, config=json.loads(args.config) if args.config else None)
+    inputs = spec.make_inputs(full, device="cuda", seed=0)
+    for _ in range(args.launches):
+        k(*inputs)
+    torch.cuda.synchronize()
+    print(f"{args.kernel} {full} config={k.config} ({k.config_source})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
