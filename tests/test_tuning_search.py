@@ -163,10 +163,12 @@ def test_two_workers_share_a_study(spec, tmp_path):
         t.start()
     for t in threads:
         t.join()
+    assert all(results), "a worker raised (see the thread exception above)"
     allowed = {config_id(c) for c in spec.configs({"num_tokens": 4096}, "sm_90a")}
     benched = evs[0].benched + evs[1].benched
     assert set(benched) == allowed
-    assert len(benched) <= len(allowed) + 4  # a rare enqueue race may measure a config twice
+    # Racing asks may measure a config twice; two unshared studies would measure everything twice.
+    assert len(benched) <= 1.5 * len(allowed)
     assert evs[0].benched and evs[1].benched
     # A third run on the finished study measures nothing and serves the global best.
     ev = TableEvaluator(table_for(spec))

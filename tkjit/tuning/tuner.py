@@ -303,6 +303,7 @@ class _Study:
 
     # -- bookkeeping --------------------------------------------------------------------
     def _load(self) -> None:
+        from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import Trial, TrialState
 
         for t in self.study.get_trials(deepcopy=False):
@@ -322,8 +323,12 @@ class _Study:
                     self.inflight.add(cid)  # another live worker on a shared study is measuring it
                 else:
                     # Killed mid-trial: not measured, so it is measured again (nothing completed is lost).
-                    Trial(self.study, t._trial_id).set_user_attr("kind", "stale")
-                    self.study.tell(t.number, state=TrialState.FAIL)
+                    try:
+                        Trial(self.study, t._trial_id).set_user_attr("kind", "stale")
+                        self.study.tell(t.number, state=TrialState.FAIL)
+                    except UpdateFinishedTrialError:
+                        pass  # its worker finished it after our read (a thread of this process whose
+                        # tune just returned): not stale; the next _load records its result
 
     def _counted(self) -> int:
         return sum(1 for cid in self.records if cid in self.space.allowed_ids)
