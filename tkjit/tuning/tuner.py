@@ -325,7 +325,7 @@ class _Study:
                     # Killed mid-trial: not measured, so it is measured again (nothing completed is lost).
                     try:
                         Trial(self.study, t._trial_id).set_user_attr("kind", "stale")
-                        self.study.tell(t.number, state=TrialState.FAIL)
+                        self.study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
                     except UpdateFinishedTrialError:
                         pass  # its worker finished it after our read (a thread of this process whose
                         # tune just returned): not stale; the next _load records its result
