@@ -28,7 +28,7 @@ tests)
   echo "rc=$?" >> "$OUT/pytest_topk_gate.txt"
   timeout 90 $PYTEST -s tests/gpu/test_gpu_transpose.py -k "not every" > "$OUT/pytest_transpose.txt" 2>&1
   echo "rc=$?" >> "$OUT/pytest_transpose.txt"
-  tail -3 "$OUT"/pytest_*.txt; grep -E "^===|Duration|Throughput|Registers|Achieved Occ|Theoretical Occ|Issue Slots|No Eligible" "$OUT/ncu.txt" | head -80
+  tail -n 3 "$OUT"/pytest_*.txt; grep -E "^===|Duration|Throughput|Registers|Achieved Occ|Theoretical Occ|Issue Slots|No Eligible" "$OUT/ncu.txt" | head -80
   ;;
 sampler)
   timeout 330 python tools/sampler_eval.py --kernel sinkhorn_bwd --shape num_tokens=262144,n=4,repeat=10 \

@@ -16,17 +16,7 @@ import json
 import torch
 
 import tkjit
-
-
-def parse_shape(text: str) -> dict:
-    shape = {}
-    for part in text.split(","):
-        k, v = part.split("=")
-        try:
-            shape[k] = json.loads(v)
-        except json.JSONDecodeError:
-            shape[k] = v  # a dtype name
-    return shape
+from tkjit.cli import _kv
 
 
 def main() -> int:
@@ -37,7 +27,7 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=5)
     args = ap.parse_args()
     spec = tkjit.get_spec(args.kernel)
-    full = spec.canonical_shape(parse_shape(args.shape))
+    full = spec.canonical_shape(_kv(args.shape.split(","), "shape"))
     k = tkjit.get(args.kernel, full, config=json.loads(args.config) if args.config else None)
     inputs = spec.make_inputs(full, device="cuda", seed=0)
     for _ in range(args.launches):

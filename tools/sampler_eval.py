@@ -82,10 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tol", type=float, default=0.02)
     ap.add_argument("--jobs", type=int, default=None)
     args = ap.parse_args(argv)
-    shape: dict[str, Any] = {}
-    for kv in filter(None, args.shape.split(",")):
-        k, _, v = kv.partition("=")
-        shape[k] = json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
+    from tkjit.cli import _kv
+
+    shape: dict[str, Any] = _kv(filter(None, args.shape.split(",")), "shape")
     if args.synthetic:
         from tkjit.tuning.fakes import fake_spec, synthetic_table
 

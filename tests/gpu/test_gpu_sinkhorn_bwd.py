@@ -105,7 +105,7 @@ def _graph_grad_errors(w):
     for dtype in (torch.float64, torch.float32):
         xr = x.detach().to(dtype).requires_grad_(True)
         (fwd_reference({"repeat": 10, "eps": 1e-6}, xr, dtype).transpose(1, 2) * w.to(dtype)).sum().backward()
-        grads[dtype] = xr.grad.double()
+        grads[dtype] = xr.grad
     ref = grads[torch.float64]
     return [float((g.double() - ref).norm() / ref.norm()) for g in (x.grad, grads[torch.float32])]
 
