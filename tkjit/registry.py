@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 import threading
 
-from tkjit.errors import SpecError, UnknownKernelError
+from tkjit.errors import SpecError, UnknownKernelError, brief
 from tkjit.spec import KernelSpec, validate
 
 _SPECS: dict[str, KernelSpec] = {}
@@ -54,13 +54,15 @@ def _load_all() -> None:
 
 
 def get_spec(name: str) -> KernelSpec:
+    if not isinstance(name, str):  # an unhashable name would fail the lookup with a bare TypeError
+        raise UnknownKernelError(f"kernel name must be a str, got {brief(name)} (a {type(name).__name__})")
     spec = _SPECS.get(name)
     if spec is not None:
         return spec
     with _lock:
         import kernel_specs
 
-        module = kernel_specs.INDEX.get(name) if isinstance(name, str) else None
+        module = kernel_specs.INDEX.get(name)
         if module is not None:
             try:
                 importlib.import_module(module)
@@ -71,7 +73,7 @@ def get_spec(name: str) -> KernelSpec:
         _load_all()
     spec = _SPECS.get(name)
     if spec is None:
-        raise UnknownKernelError(f"unknown kernel {name!r}; known kernels: {sorted(_SPECS)}")
+        raise UnknownKernelError(f"unknown kernel {brief(name)}; known kernels: {sorted(_SPECS)}")
     return spec
 
 

@@ -9,17 +9,25 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tkjit.errors import ConfigError, ShapeError, SpecError
+from tkjit.errors import ConfigError, ShapeError, SpecError, brief
 
 Shape = dict[str, Any]
 Config = dict[str, Any]
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # widest int a kernel argument takes
+
+
+def _shown(value: Any) -> str:
+    """A wrong-typed value and its type: '4' alone would not say it is a str."""
+    shown = brief(value)
+    return shown if isinstance(value, (int, float, type(None))) else f"{shown} (a {type(value).__name__})"
 
 
 def pow2_bucket(value: int) -> int:
@@ -49,34 +57,52 @@ class Param:
         """Return the canonical value or raise ShapeError naming the problem."""
         if self.type is bool:
             if not isinstance(value, bool):
-                raise ShapeError(f"shape param {self.name!r} must be a bool, got {value!r}")
+                raise ShapeError(f"shape param {self.name!r} must be a bool, got {_shown(value)}")
         elif self.type is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                # Accept integral floats/strings from CLIs and JSON, nothing lossy.
-                try:
-                    as_int = int(str(value), 10)
-                except (TypeError, ValueError):
-                    raise ShapeError(f"shape param {self.name!r} must be an int, got {value!r}") from None
-                value = as_int
+            value = self._as_int(value)
         elif self.type is float:
-            if isinstance(value, bool):
-                raise ShapeError(f"shape param {self.name!r} must be a float, got {value!r}")
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ShapeError(f"shape param {self.name!r} must be a float, got {value!r}") from None
-            if not math.isfinite(value):
-                raise ShapeError(f"shape param {self.name!r} must be finite, got {value!r}")
+            value = self._as_float(value)
         elif self.type is str:
             if not isinstance(value, str):
-                raise ShapeError(f"shape param {self.name!r} must be a str, got {value!r}")
+                raise ShapeError(f"shape param {self.name!r} must be a str, got {_shown(value)}")
         if self.values is not None and value not in self.values:
-            raise ShapeError(f"shape param {self.name!r}={value!r} not allowed; allowed: {list(self.values)}")
+            raise ShapeError(f"shape param {self.name!r}={brief(value)} not allowed; allowed: {list(self.values)}")
         if self.lo is not None and value < self.lo:
-            raise ShapeError(f"shape param {self.name!r}={value!r} below its minimum {self.lo}")
+            raise ShapeError(f"shape param {self.name!r}={brief(value)} below its minimum {self.lo}")
         if self.hi is not None and value > self.hi:
-            raise ShapeError(f"shape param {self.name!r}={value!r} above its maximum {self.hi}")
+            raise ShapeError(f"shape param {self.name!r}={brief(value)} above its maximum {self.hi}")
+        if self.type is int and not INT64_MIN <= value <= INT64_MAX:
+            # No declared range, but the kernel still receives it as (at most) a 64-bit int.
+            raise ShapeError(
+                f"shape param {self.name!r}={brief(value)} does not fit the kernel's 64-bit int "
+                f"[{INT64_MIN}, {INT64_MAX}]"
+            )
         return value
+
+    def _as_int(self, value: Any) -> int:
+        # Lossless ints only: int and what implements __index__ (numpy, torch ints). Not bool,
+        # not floats (4.0 may be a rounded 4.3), not strings (int() takes " 4 ", "1_0", "١٢").
+        if not isinstance(value, bool):
+            try:
+                return operator.index(value)
+            except (TypeError, ValueError):  # ValueError: e.g. a tensor of several elements
+                pass
+        raise ShapeError(f"shape param {self.name!r} must be an int, got {_shown(value)}")
+
+    def _as_float(self, value: Any) -> float:
+        # Numbers only: float() would also parse str and bytes.
+        if not isinstance(value, (bool, str, bytes, bytearray)):
+            try:
+                value = float(value)
+            except OverflowError:  # an int beyond 1.8e308
+                raise ShapeError(f"shape param {self.name!r}={brief(value)} is too large for a float") from None
+            except (TypeError, ValueError):
+                pass
+            else:
+                if not math.isfinite(value):
+                    raise ShapeError(f"shape param {self.name!r} must be finite, got {value!r}")
+                return value
+        raise ShapeError(f"shape param {self.name!r} must be a float, got {_shown(value)}")
 
     def describe(self) -> str:
         if self.values is not None:
@@ -208,12 +234,12 @@ class KernelSpec:
     def canonical_shape(self, shape: Mapping[str, Any], *, need_runtime: bool = True) -> Shape:
         """Validated shape with defaults filled in; errors list what is allowed."""
         if not isinstance(shape, Mapping):
-            raise ShapeError(f"{self.name}: shape must be a mapping of param name -> value, got {shape!r}")
+            raise ShapeError(f"{self.name}: shape must be a mapping of param name -> value, got {_shown(shape)}")
         known = {p.name: p for p in self.params}
-        extra = sorted(set(shape) - set(known), key=repr)
+        extra = sorted(set(shape) - set(known), key=brief)
         if extra:
             raise ShapeError(
-                f"{self.name}: unknown shape params {extra}; expected: "
+                f"{self.name}: unknown shape params {_listed(extra)}; expected: "
                 + "; ".join(p.describe() for p in self.params)
             )
         out: Shape = {}
@@ -243,19 +269,20 @@ class KernelSpec:
     def check_config(self, shape: Mapping[str, Any], config: Mapping[str, Any], arch: str | None = None) -> Config:
         """Validate a full config against the space and constraints."""
         if not isinstance(config, Mapping):
-            raise ConfigError(f"{self.name}: config must be a mapping, got {config!r}")
-        extra = sorted(set(config) - set(self.space), key=repr)
+            raise ConfigError(f"{self.name}: config must be a mapping, got {_shown(config)}")
+        extra = sorted(set(config) - set(self.space), key=brief)
         missing = sorted(set(self.space) - set(config), key=repr)
         if extra or missing:
             raise ConfigError(
-                f"{self.name}: config keys {sorted(config, key=repr)} do not match the space {sorted(self.space)}"
-                + (f" (unknown: {extra})" if extra else "")
+                f"{self.name}: config keys {_listed(sorted(config, key=brief))} do not match the space "
+                f"{sorted(self.space)}"
+                + (f" (unknown: {_listed(extra)})" if extra else "")
                 + (f" (missing: {missing})" if missing else "")
             )
         for k, v in config.items():
             allowed = self.space[k]
             if v not in allowed or type(v) is not type(_match(allowed, v)):
-                raise ConfigError(f"{self.name}: config {k}={v!r} not in the space; allowed: {list(allowed)}")
+                raise ConfigError(f"{self.name}: config {k}={brief(v)} not in the space; allowed: {list(allowed)}")
         cfg = {k: config[k] for k in self.space}
         reason = self.constraint(dict(shape), cfg) or (self.arch_constraint(arch, cfg, dict(shape)) if arch else None)
         if reason:
@@ -288,6 +315,12 @@ class KernelSpec:
     # -- tensors ------------------------------------------------------------------------
     def output_decls(self, shape: Mapping[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
         return [(t.name, *t.resolve(shape)) for t in self.outputs]
+
+
+def _listed(items: Sequence) -> str:
+    """[a, b] with each item shown briefly, at most 10 of them."""
+    shown = [brief(x) for x in items[:10]] + ([f"... {len(items) - 10} more"] if len(items) > 10 else [])
+    return "[" + ", ".join(shown) + "]"
 
 
 def _match(allowed: Sequence, v: Any) -> Any:
