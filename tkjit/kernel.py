@@ -10,25 +10,56 @@ from typing import Any
 from tkjit.errors import LaunchError, TensorError
 from tkjit.spec import Align, KernelSpec, resolve_dim
 
-_TORCH_DTYPES: dict[str, Any] = {}
+_TORCH_DTYPES: dict[str, Any] = {}  # spec dtype name -> torch dtype
+_DTYPE_NAMES: dict[Any, str] = {}  # and back
+
+
+def _dtype_tables() -> None:
+    import torch
+
+    _TORCH_DTYPES.update(
+        {
+            "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+            "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+        }
+    )
+    _DTYPE_NAMES.update({v: k for k, v in _TORCH_DTYPES.items()})
 
 
 def torch_dtype(name: str):
     if not _TORCH_DTYPES:
-        import torch
-
-        _TORCH_DTYPES.update(
-            {
-                "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-                "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-            }
-        )
+        _dtype_tables()
     try:
         return _TORCH_DTYPES[name]
     except KeyError:
         raise TensorError(f"unsupported dtype {name!r}") from None
+
+
+def dtype_name(dtype) -> str:
+    """A torch dtype's name in specs ("bfloat16", ...); str(dtype) for one no spec names (shape checks refuse it)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        if not _DTYPE_NAMES:
+            _dtype_tables()
+        return _DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def _no_data(t) -> bool:
+    """True for a tensor without real memory behind it: meta, FakeTensor (torch.compile tracing, FakeTensorMode),
+    functional or other wrapper subclasses. Its data_ptr() is no address a kernel may touch."""
+    if t.is_meta:
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
+        return True
+    try:
+        return t.untyped_storage().data_ptr() == 0 and t.numel() != 0
+    except Exception:  # wrapper subclasses have no storage to ask
+        return True
 
 
 @dataclass
@@ -96,6 +127,8 @@ class CompiledKernel:
                 p.check(v)
         if out is None:
             outs = [torch.empty(self._dims_of(a, sizes), dtype=a.dtype, device=device) for a in self._out]
+            if type(outs[0]) is not torch.Tensor and _no_data(outs[0]):  # under a FakeTensorMode
+                raise self._fake_error(outs[0], self._out[0], "output")
         else:
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             if len(outs) != len(self._out):
@@ -137,6 +170,8 @@ class CompiledKernel:
         role = "output" if output else "input"
         if not isinstance(t, torch.Tensor):
             raise TensorError(f"{self.name}: {role} {a.name} must be a torch.Tensor, got {type(t).__name__}")
+        if type(t) is not torch.Tensor and _no_data(t):
+            raise self._fake_error(t, a, role)
         if t.dtype != a.dtype:
             raise TensorError(f"{self.name}: {role} {a.name} has dtype {t.dtype}, expected {a.dtype}")
         if t.dim() != len(a.dims):
@@ -163,6 +198,8 @@ class CompiledKernel:
                     f"{self.name}: {role} {a.name} axis {axis} ({rname}) is {got}, other tensors say {sizes[rname]}"
                 )
         if t.device.type != self._device_type:
+            if t.is_meta:
+                raise self._fake_error(t, a, role)
             raise TensorError(
                 f"{self.name}: {role} {a.name} is on {t.device}, this kernel was built for {self.arch} "
                 f"and needs {self._device_type} tensors"
@@ -174,6 +211,12 @@ class CompiledKernel:
         if t.storage_offset() and t.data_ptr() % 16:
             raise TensorError(f"{self.name}: {role} {a.name} is not 16-byte aligned (a sliced view?)")
         return t.device
+
+    def _fake_error(self, t, a: _ArgCheck, role: str) -> TensorError:
+        return TensorError(
+            f"{self.name}: {role} {a.name} ({type(t).__name__} on {t.device}) is a fake/meta tensor: it has no data; "
+            "call the op under torch.compile or through torch.ops.tkjit so its fake implementation runs"
+        )
 
     def _dims_text(self, a: _ArgCheck) -> str:
         return ", ".join((f"align({r}, {s})" if s > 1 else r) if r else str(s) for r, s in a.dims)
