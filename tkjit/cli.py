@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
+import re
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from tkjit.errors import TkjitError, UsageError, brief
+
+log = logging.getLogger("tkjit")
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -17,21 +24,37 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def _kv(items: Sequence[str], what: str) -> dict[str, Any]:
+def parse_kv(items: Iterable[str], what: str) -> dict[str, Any]:
+    """`key=value` arguments (`--shape`, `--config`) as a dict; UsageError names a bad one.
+
+    Values are scalars: true/false, ints, JSON numbers and strings, else the text as a str.
+    """
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"tkjit: --{what} takes key=value, got {item!r}")
+            raise UsageError(f"--{what} takes key=value, got {brief(item)}")
         k, v = item.split("=", 1)
-        out[k.strip()] = _parse_value(v.strip())
+        out[k.strip()] = _parse_value(v.strip(), f"--{what} {k.strip()}")
     return out
 
 
-def _parse_value(v: str) -> Any:
-    # JSON literals (numbers, true/false), else the plain string: no eval.
+_INT_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_MAX_DIGITS = 100  # an int64 has 19; int() refuses (or takes long over) thousands
+
+
+def _parse_value(v: str, where: str) -> Any:
+    # Parsed, never eval'd. No shape param or tunable takes a list or object, and a deeply
+    # nested one would exhaust the JSON parser's recursion: refused before parsing.
     low = v.lower()
     if low in ("true", "false"):
         return low == "true"
+    if _INT_RE.fullmatch(v):  # before JSON, which refuses leading zeros (04)
+        digits = len(v.lstrip("+-"))
+        if digits > _MAX_DIGITS:
+            raise UsageError(f"{where}: a number of {digits} digits is out of range")
+        return int(v)
+    if v[:1] in ("[", "{"):
+        raise UsageError(f"{where}: values are numbers, true/false or strings, not JSON lists or objects")
     try:
         return json.loads(v)
     except ValueError:
@@ -78,21 +101,22 @@ def cmd_specs(args) -> int:
 def cmd_list(args) -> int:
     from tkjit.api import cache
 
+    entries = cache().entries()
     rows = []
-    for r in sorted(cache().entries(), key=lambda r: (r.get("kernel", ""), r.get("arch", ""))):
+    for r in sorted(entries, key=lambda r: (r.get("kernel", ""), r.get("arch", ""))):
         rows.append([
             r.get("kernel", "?"), _compact(r.get("shape", {})), r.get("arch", "?"), _compact(r.get("config", {})),
             r.get("config_source", r.get("status", "?")), _size(r.get("size", 0)), _when(r.get("last_used")),
             r["key"][:12],
         ])
     if args.json:
-        print(json.dumps(cache().entries(), indent=1, sort_keys=True, default=str))
+        print(json.dumps(entries, indent=1, sort_keys=True, default=str))
         return 0
     if not rows:
         print(f"cache {cache().root} is empty")
         return 0
     print(_table(rows, ["kernel", "shape", "arch", "config", "source", "size", "last used", "key"]))
-    print(f"\n{len(rows)} entries, {_size(sum(r.get('size', 0) for r in cache().entries()))} in {cache().root}")
+    print(f"\n{len(rows)} entries, {_size(sum(r.get('size', 0) for r in entries))} in {cache().root}")
     return 0
 
 
@@ -127,16 +151,18 @@ def cmd_compile(args) -> int:
     from tkjit.compiler import compile_many
     from tkjit.registry import all_specs, get_spec
 
-    arch = resolve_arch(args.arch)
+    # The arguments first: a usage error is reported before any lookup or environment problem.
+    cfg_in = parse_kv(args.config, "config") if args.config else None
     if args.all_defaults:
         specs = [get_spec(n) for n in args.name] if args.name else all_specs()
         shapes = [(s, s.canonical_shape(ex)) for s in specs for ex in s.examples]
     else:
         if len(args.name) != 1:
-            raise SystemExit("tkjit compile: give one kernel NAME with --shape, or use --all-defaults")
+            raise UsageError("compile takes one kernel NAME with --shape, or --all-defaults")
+        shape_in = parse_kv(args.shape, "shape")
         s = get_spec(args.name[0])
-        shapes = [(s, s.canonical_shape(_kv(args.shape, "shape")))]
-    cfg_in = _kv(args.config, "config") if args.config else None
+        shapes = [(s, s.canonical_shape(shape_in))]
+    arch = resolve_arch(args.arch)
     jobs, seen = [], set()
     for spec, full in shapes:
         cfg, source = choose_config(spec, full, arch, cfg_in)
@@ -165,19 +191,9 @@ def cmd_clear(args) -> int:
 def cmd_prune(args) -> int:
     from tkjit.api import cache
 
-    removed = cache().prune(_parse_bytes(args.max_size))
+    removed = cache().prune(args.max_size)
     print(f"evicted {len(removed)} least recently used entries; {_size(cache().total_bytes())} left")
     return 0
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().rstrip("b")
-    mult = units.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if t[-1:] in units else t) * mult)
-    except ValueError:
-        raise SystemExit(f"tkjit prune: cannot read size {text!r} (e.g. 500M, 2G)") from None
 
 
 def cmd_doctor(args) -> int:
@@ -210,14 +226,61 @@ def cmd_doctor(args) -> int:
     except CacheError as e:
         rows.append(["cache perms", f"PROBLEM: {e}"])
         ok = False
+    except OSError as e:  # not a dir, no such parent, read-only: said in the table, not raised
+        rows.append(["cache perms", f"PROBLEM: {os_error_message(e)}"])
+        ok = False
     for var in envs.REGISTRY:
         rows.append([var.name, str(var.get())])
     print(_table(rows, ["item", "value"]))
     return 0 if ok else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tkjit", description=__doc__)
+def os_error_message(e: OSError) -> str:
+    """One line for an OSError: `cannot use the cache at ROOT: <strerror>` when it is the cache's."""
+    from tkjit.cache import cache_root
+
+    reason = e.strerror or str(e)
+    path = os.fsdecode(e.filename) if e.filename is not None else None
+    try:
+        root = cache_root()
+    except Exception:  # the error being reported matters more than naming the root
+        return f"{path}: {reason}" if path else reason
+    if path is None or _on_the_way(Path(path), root):
+        # The path is the root, inside it, or a parent it needs: the cache is what failed.
+        where = f" ({path})" if path and Path(path) != root else ""
+        return f"cannot use the cache at {root}: {reason}{where}"
+    return f"{path}: {reason}"
+
+
+def _on_the_way(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents or path in root.parents
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line like every other error (argparse prints the usage block first); main exits 2.
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _size_arg(text: str) -> int:
+    from tkjit.errors import ConfigError
+    from tkjit.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _jobs_arg(text: str) -> int:
+    n = int(text) if _INT_RE.fullmatch(text.strip()) else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes a number of processes >= 1, got {brief(text)}")
+    return n
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="tkjit", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("specs", help="the kernel catalog: shape params, space, default")
     p.add_argument("name", nargs="*")
@@ -234,23 +297,88 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", nargs="*", default=[], metavar="K=V")
     p.add_argument("--arch", default=None)
     p.add_argument("--all-defaults", action="store_true", help="every spec's example shapes, default configs")
-    p.add_argument("-j", "--jobs", type=int, default=None)
+    p.add_argument("-j", "--jobs", type=_jobs_arg, default=None)
     p.set_defaults(fn=cmd_compile)
     p = sub.add_parser("clear", help="remove every cache entry")
     p.set_defaults(fn=cmd_clear)
     p = sub.add_parser("prune", help="evict least recently used entries down to a size")
-    p.add_argument("--max-size", required=True, help="e.g. 500M, 2G")
+    p.add_argument("--max-size", required=True, type=_size_arg, help="e.g. 500M, 2G, 1.5GiB or bytes")
     p.set_defaults(fn=cmd_prune)
     p = sub.add_parser("doctor", help="versions, arch, nvcc, cache dir, permissions")
     p.set_defaults(fn=cmd_doctor)
-    args = ap.parse_args(argv)
-    from tkjit.errors import TkjitError
+    return ap
 
+
+class _StderrHandler(logging.StreamHandler):
+    """Logs to whatever sys.stderr is at the time (callers and tests swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("tkjit: %(levelname)s: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _setup_logging() -> None:
+    from tkjit import envs
+
+    log.setLevel(envs.log_level())
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):  # main() may run many times
+        log.addHandler(_StderrHandler())
+
+
+def _fail(message: str, status: int) -> int:
+    """Print the error in one line (the traceback only at TKJIT_LOG=debug); return the exit status."""
+    log.debug("the error below came from:", exc_info=True)
+    first, *rest = message.strip().splitlines() or ["unknown error"]
+    if rest:
+        first += f" (+{len(rest)} more lines; TKJIT_LOG=debug shows them)"
+    print(f"tkjit: error: {first}", file=sys.stderr)
+    return status
+
+
+def _stdout_closed() -> int:
+    # The reader went away (`tkjit list | head -1`): stop quietly. Point stdout at devnull so the
+    # interpreter's flush at exit does not fail on the broken pipe again ("Exception ignored").
     try:
-        return args.fn(args)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file descriptor (redirected in-process): nothing to flush
+        pass
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Exit status: 0 ok, 1 a tkjit or OS error, 2 a usage error."""
+    try:
+        _setup_logging()
+        args = _parser().parse_args(argv)
+        status = args.fn(args)
+        sys.stdout.flush()  # a closed pipe raises here, inside the handlers, not at exit
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
+    except UsageError as e:
+        return _fail(str(e), 2)
     except TkjitError as e:
-        print(f"tkjit: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e), 1)
+    except OSError as e:
+        return _fail(os_error_message(e), 1)
+    except SystemExit as e:
+        if isinstance(e.code, str):  # a helper's SystemExit("tkjit prune: message"): a usage error
+            return _fail(re.sub(r"^tkjit[\w -]*:\s*", "", e.code), 2)
+        raise  # --help, or an exit status
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug: still one line, the traceback at TKJIT_LOG=debug
+        return _fail(f"internal error: {type(e).__name__}: {e} (TKJIT_LOG=debug shows the traceback)", 1)
 
 
 if __name__ == "__main__":

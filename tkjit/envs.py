@@ -5,8 +5,11 @@ Values are read at call time, not import time, so tests and tools can set them p
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+
+from tkjit.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,23 @@ NVCC = EnvVar("TKJIT_NVCC", None, "nvcc to use and key on (default: CUDA_HOME/bi
 NO_TUNED_DB = EnvVar("TKJIT_NO_TUNED_DB", "0", "1: ignore tuned databases, serve heuristic defaults")
 GPU_NAME = EnvVar("TKJIT_GPU_NAME", None, "GPU model for tuning-DB lookup (default: the current GPU)")
 TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "directory of the shipped tuning DB (default: <repo>/tuning_db)")
+LOG = EnvVar("TKJIT_LOG", "warning", "tkjit command log level: debug (errors with tracebacks), info, warning, error")
 
 REGISTRY: tuple[EnvVar, ...] = (
-    CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, TUNING_DB,
+    CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, TUNING_DB, LOG,
 )
+
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
 def flag(var: EnvVar) -> bool:
     return (var.get() or "").lower() in ("1", "true", "yes", "on")
 
+
+def log_level() -> int:
+    """The `logging` level TKJIT_LOG names; a typo is an error, not silently the default."""
+    text = LOG.get() or "warning"
+    level = _LOG_LEVELS.get(text.strip().lower())
+    if level is None:
+        raise ConfigError(f"{LOG.name}={text!r} is not a log level: use one of {', '.join(_LOG_LEVELS)}")
+    return level

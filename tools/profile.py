@@ -16,7 +16,7 @@ import json
 import torch
 
 import tkjit
-from tkjit.cli import _kv
+from tkjit.cli import parse_kv
 
 
 def main() -> int:
@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=5)
     args = ap.parse_args()
     spec = tkjit.get_spec(args.kernel)
-    full = spec.canonical_shape(_kv(args.shape.split(","), "shape"))
+    full = spec.canonical_shape(parse_kv(args.shape.split(","), "shape"))
     k = tkjit.get(args.kernel, full, config=json.loads(args.config) if args.config else None)
     inputs = spec.make_inputs(full, device="cuda", seed=0)
     for _ in range(args.launches):

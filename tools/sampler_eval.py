@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tol", type=float, default=0.02)
     ap.add_argument("--jobs", type=int, default=None)
     args = ap.parse_args(argv)
-    from tkjit.cli import _kv
+    from tkjit.cli import parse_kv
 
-    shape: dict[str, Any] = _kv(filter(None, args.shape.split(",")), "shape")
+    shape: dict[str, Any] = parse_kv(filter(None, args.shape.split(",")), "shape")
     if args.synthetic:
         from tkjit.tuning.fakes import fake_spec, synthetic_table
 
