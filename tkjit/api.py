@@ -99,6 +99,8 @@ def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -
     with _lock:
         launch = _by_key.get(key)
     if launch is None:
+        tensors = [t.dims for t in (*spec.inputs, *spec.outputs)]
+        loader.check_abi(entry.meta, arch, tensors, [p.name for p in spec.runtime_params])
         launch = loader.load(entry.file(entry.meta["lib"]), entry.meta)
         with _lock:
             launch = _by_key.setdefault(key, launch)
@@ -159,6 +161,7 @@ def ensure_entry(
     except PublishFailed as e:  # built, but the disk refused it: serve what was built
         if e.entry is not None:
             _warn_unwritable(e)
+            e.entry.meta["uncached_reason"] = str(e)
             return e.entry, key
         return _build_in_memory(key, meta, build, e), key
     except OSError as e:
@@ -184,4 +187,4 @@ def _build_in_memory(key: str, meta: dict, build, err: OSError) -> Entry:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Entry(key, tmp, {"key": key, "files": {}, "meta": {**meta, **extra}})
+    return Entry(key, tmp, {"key": key, "files": {}, "meta": {**meta, **extra, "uncached_reason": str(err)}})

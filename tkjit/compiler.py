@@ -2,19 +2,35 @@
 
 This is the only module that imports TileLang. Serving a cached kernel never comes here.
 
+Every compile runs in a private build dir (0700, ours, made atomically, beside the output dir):
+TileLang and the host compiler write their temporary sources and libraries under `tempfile`'s
+dir, and in a shared /tmp another local user could plant a link at the predictable `tmpXXXX.so`
+beside a `tmpXXXX.cpp` and have their library loaded and published. The dir is removed after
+the compile.
+
+The nvcc that runs is the one the key names (`TKJIT_NVCC`, else TileLang's own lookup, which
+`tkjit.key.nvcc_path` mirrors): checked once TileLang is imported, so a key never describes a
+binary another compiler built.
+
 Many variants compile on a spawn pool whose processes import TileLang once and publish through
-`ensure_entry`; the tuner keeps one pool alive across its batches and studies. A process that
-dies (a compiler segfault) breaks the pool: it is rebuilt and the batch's remaining jobs retried
-one at a time, so only the job that kills it again fails.
+`ensure_entry`; the tuner keeps one pool alive across its batches and studies. Workers die with
+their parent. A process that dies (a compiler segfault) breaks the pool: it is rebuilt and the
+batch's jobs retried one at a time, each job that kills its worker once more in a fresh one; only
+a job that kills it twice fails, with the worker's exit signal in its error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import shutil
-from collections.abc import Sequence
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -22,7 +38,10 @@ from typing import Any
 
 from tkjit import envs
 from tkjit.arch import tilelang_target
-from tkjit.errors import CompileError
+from tkjit.cache import check_private
+from tkjit.errors import CompileError, ConfigError
+from tkjit.loader import dynamic_args
+from tkjit.procs import die_with_parent, exit_status
 from tkjit.spec import KernelSpec
 
 KERNEL_LIB = "kernel.so"
@@ -33,9 +52,79 @@ def _import_tilelang():
     # Our cache is the cache: TileLang's own would keep a second copy of every variant.
     os.environ.setdefault("TILELANG_DISABLE_CACHE", "1")
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+    nvcc = envs.NVCC.get()
+    if nvcc and "tilelang" not in sys.modules:
+        # TileLang runs $CUDA_HOME/bin/nvcc, with CUDA_HOME read once at its import.
+        os.environ["CUDA_HOME"] = str(_cuda_home_of(nvcc))
     import tilelang
 
     return tilelang
+
+
+def _cuda_home_of(nvcc: str) -> Path:
+    path = Path(nvcc)
+    if path.name != "nvcc" or path.parent.name != "bin":
+        raise ConfigError(f"TKJIT_NVCC={nvcc!r} must name an nvcc inside a CUDA install: <cuda home>/bin/nvcc")
+    return path.parent.parent
+
+
+def _check_nvcc() -> None:
+    """The nvcc TileLang will run must be the one the cache key named (its version is in the key)."""
+    from tilelang.contrib.nvcc import get_nvcc_compiler
+
+    from tkjit.key import nvcc_path
+
+    keyed = nvcc_path()
+    runs = get_nvcc_compiler()
+    if keyed is None or os.path.realpath(keyed) != os.path.realpath(runs):
+        how = "TKJIT_NVCC" if envs.NVCC.get() else "CUDA_HOME or PATH"
+        raise CompileError(
+            f"TileLang would compile with {runs} but the cache key names {keyed or 'no nvcc'} (from {how}); "
+            "set TKJIT_NVCC (or CUDA_HOME) before the first compile in this process"
+        )
+
+
+_tmp_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def private_build_dir(beside: Path) -> Iterator[Path]:
+    """A fresh private dir next to the output dir, which `tempfile` (TileLang's temp files) and the
+    child compilers use meanwhile; removed afterwards.
+
+    mkdtemp makes it 0700 with O_EXCL semantics, so nobody else can have made it or put anything
+    in it. Beside a cache staging dir it is named after the key, so a compile killed midway leaves
+    nothing that the cache's staging cleanup does not remove. `tempfile.tempdir` is process-wide:
+    compiles in one process take turns.
+    """
+    with _tmp_lock:
+        d = Path(tempfile.mkdtemp(prefix=f"{beside.name}.build.", dir=beside.parent))
+        try:
+            check_private(d, is_dir=True)
+            saved = tempfile.tempdir, os.environ.get("TMPDIR")
+            tempfile.tempdir = str(d)
+            os.environ["TMPDIR"] = str(d)  # gcc / nvcc temporaries
+            try:
+                yield d
+            finally:
+                tempfile.tempdir = saved[0]
+                if saved[1] is None:
+                    os.environ.pop("TMPDIR", None)
+                else:
+                    os.environ["TMPDIR"] = saved[1]
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _copy_artifact(src: str | os.PathLike, build_dir: Path, dst: Path) -> None:
+    """Copy a library TileLang wrote, only from inside our private build dir, never through a link."""
+    src = Path(src)
+    if os.path.realpath(src.parent) != os.path.realpath(build_dir):
+        raise CompileError(f"TileLang wrote its library to {src}, outside the private build dir {build_dir}")
+    check_private(src, is_dir=False)  # ours, a regular file, not a link, not writable by others
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f, open(dst, "wb") as out:
+        shutil.copyfileobj(f, out)
 
 
 def _dynamic_args(prim_func) -> list[dict[str, Any]]:
@@ -58,6 +147,16 @@ def _dynamic_args(prim_func) -> list[dict[str, Any]]:
 def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str, out_dir: Path) -> dict[str, Any]:
     """Build and compile into out_dir; returns the ABI metadata the loader needs."""
     tilelang = _import_tilelang()
+    if arch != "cpu":
+        _check_nvcc()
+    out_dir = Path(out_dir)
+    with private_build_dir(out_dir) as build_dir:
+        return _compile_in(tilelang, spec, static_shape, config, arch, out_dir, build_dir)
+
+
+def _compile_in(
+    tilelang, spec: KernelSpec, static_shape: dict, config: dict, arch: str, out_dir: Path, build_dir: Path
+) -> dict[str, Any]:
     try:
         func = spec.build(dict(static_shape), dict(config))
     except Exception as e:
@@ -77,14 +176,17 @@ def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str
         raise CompileError(
             f"{spec.name}: TileLang failed on config {config} for {arch}: {type(e).__name__}: {e}"
         ) from e
-    out_dir = Path(out_dir)
     src = kernel.get_kernel_source() or ""
     (out_dir / KERNEL_SRC).write_text(src)
     if cpu:
         # The C target's library has a plain C ABI: int call(T* buf..., int32 dyn...), loaded by ctypes.
         lib = getattr(kernel.adapter, "libpath", None) or kernel.adapter.lib_generator.libpath
-        shutil.copyfile(lib, out_dir / KERNEL_LIB)
+        _copy_artifact(lib, build_dir, out_dir / KERNEL_LIB)
         abi = {"loader": "ctypes", "dynamic": _dynamic_args(func)}
+        implied = dynamic_args([t.dims for t in (*spec.inputs, *spec.outputs)], [p.name for p in spec.runtime_params])
+        if abi["dynamic"] != implied:  # the loader would refuse it: say so now, naming both
+            raise CompileError(f"{spec.name}: the built function's runtime sizes {abi['dynamic']} are not "
+                               f"the spec's tensor dims {implied} (T.dynamic names must be the spec's param names)")
     else:
         kernel.adapter.get_exportable_executable().export_library(str(out_dir / KERNEL_LIB))
         host = kernel.adapter.get_host_source() or ""
@@ -97,33 +199,50 @@ def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str
 def default_jobs() -> int:
     env = envs.JOBS.get()
     if env:
-        return max(1, int(env))
+        try:
+            n = int(env.strip())
+        except ValueError:
+            n = 0
+        if not 1 <= n <= 4096:
+            raise ConfigError(f"TKJIT_JOBS={env!r} is not valid: expected a number of processes >= 1, e.g. 4")
+        return n
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 Job = tuple[str, dict, dict, str, str]  # (kernel, static shape, config, arch, config source)
+Result = tuple[str | None, str | None]  # (key, error): a key only when the entry is in the cache
 
-
-def _init(imports: Sequence[str]) -> None:
+def _init(imports: Sequence[str], parent: int) -> None:
+    die_with_parent(parent)
     for m in imports:
         importlib.import_module(m)
     _import_tilelang()  # once per process, not per job
 
 
-def _compile_one(job: Job) -> tuple[str | None, str | None]:
-    from tkjit.api import ensure_entry
+def _compile_one(job: Job) -> Result:
+    from tkjit.api import cache, ensure_entry
     from tkjit.registry import get_spec
 
     name, static, config, arch, source = job
     try:
-        _, key = ensure_entry(get_spec(name), static, config, arch, source)
-        return key, None
+        entry, key = ensure_entry(get_spec(name), static, config, arch, source)
     except Exception as e:  # one bad config must not stop the batch
         return None, f"{type(e).__name__}: {e}"
+    if entry.path != cache().entry_path(key):  # served from a temp dir: the disk refused it
+        why = entry.meta.get("uncached_reason", "the cache refused the entry")
+        return None, f"compiled but not cached: {why}"
+    return key, None
 
 
 def _noop() -> None:
     return None
+
+
+def _cause(codes: Sequence[int | None]) -> str:
+    """How a broken pool's worker ended: the pool SIGTERMs the survivors, so another code is the cause."""
+    for code in sorted((c for c in codes if c), key=lambda c: c == -signal.SIGTERM):
+        return f"worker ended by {exit_status(code)}"
+    return "worker exit status unknown"
 
 
 class CompilePool:
@@ -137,7 +256,7 @@ class CompilePool:
         if self._ex is None:
             self._ex = ProcessPoolExecutor(
                 max_workers=self.n_jobs, mp_context=mp.get_context("spawn"),
-                initializer=_init, initargs=(self.imports,),
+                initializer=_init, initargs=(self.imports, os.getpid()),
             )
         return self._ex
 
@@ -147,7 +266,7 @@ class CompilePool:
         for _ in range(self.n_jobs):
             ex.submit(_noop)
 
-    def compile(self, jobs: Sequence[Job]) -> list[tuple[str | None, str | None]]:
+    def compile(self, jobs: Sequence[Job]) -> list[Result]:
         """(key, error) per job, in order."""
         self.compiled += len(jobs)
         if not jobs:
@@ -156,14 +275,19 @@ class CompilePool:
             return list(self._pool().map(_compile_one, jobs))
         except BrokenProcessPool:
             self._reset()
-        out: list[tuple[str | None, str | None]] = []
-        for job in jobs:  # isolate the job that kills the compiler
+        return [self._isolated(job) for job in jobs]
+
+    def _isolated(self, job: Job) -> Result:
+        """One job alone, in a fresh worker if it kills one: compilers crash now and then (a flaky
+        nvcc or ptxas); a job that kills its worker twice is reported with how the worker died."""
+        for attempt in range(2):
             try:
-                out.append(self._pool().submit(_compile_one, job).result())
+                return self._pool().submit(_compile_one, job).result()
             except BrokenProcessPool:
-                self._reset()
-                out.append((None, "compiler process died (segfault?) on this config"))
-        return out
+                how = self._reset()
+                if attempt:
+                    return None, f"the compiler process died twice on this config ({how})"
+        raise AssertionError("unreachable")
 
     def compile_iter(self, jobs: Sequence[Job]):
         """Yield (key, error) per job, in order, each as soon as it is done: the caller benchmarks
@@ -187,10 +311,14 @@ class CompilePool:
             self.compiled -= len(jobs)
             yield from self.compile(jobs)
 
-    def _reset(self) -> None:
-        if self._ex is not None:
-            self._ex.shutdown(wait=False, cancel_futures=True)
-        self._ex = None
+    def _reset(self) -> str:
+        """Drop a (broken) pool; returns how its workers ended."""
+        ex, self._ex = self._ex, None
+        if ex is None:
+            return "worker exit status unknown"
+        procs = list(getattr(ex, "_processes", {}).values())  # the stdlib keeps no public handle
+        ex.shutdown(wait=True, cancel_futures=True)
+        return _cause([p.exitcode for p in procs])
 
     def close(self) -> None:
         if self._ex is not None:
@@ -198,13 +326,16 @@ class CompilePool:
         self._ex = None
 
 
-def compile_many(jobs: Sequence[Job], n_jobs: int | None = None) -> list[tuple[str | None, str | None]]:
+def compile_many(
+    jobs: Sequence[Job], n_jobs: int | None = None, imports: Sequence[str] = ()
+) -> list[Result]:
     """Compile and publish (name, static_shape, config, arch, config_source) variants in parallel.
 
-    Returns (key, error) per job, in order. Specs are looked up by name in the workers, so they must
-    be importable there (built-in, or registered through a `tkjit.specs` entry point).
+    Returns (key, error) per job, in order; a variant that compiled but could not be cached (a
+    read-only or full disk) is an error. Specs are looked up by name in the workers, so they must be
+    importable there (built-in, registered through a `tkjit.specs` entry point, or in `imports`).
     """
-    pool = CompilePool(min(n_jobs or default_jobs(), max(1, len(jobs))))
+    pool = CompilePool(min(n_jobs or default_jobs(), max(1, len(jobs))), imports)
     try:
         return pool.compile(jobs)
     finally:

@@ -12,7 +12,7 @@ import importlib.util
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +102,50 @@ def _load_ctypes(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
 LOADERS = {"tvm_ffi": _load_tvm_ffi, "ctypes": _load_ctypes}
 
 
+def loader_for(arch: str) -> str:
+    return "ctypes" if arch == "cpu" else "tvm_ffi"
+
+
+def dynamic_args(tensor_dims: Sequence[Sequence[Any]], runtime: Iterable[str]) -> list[dict[str, Any]]:
+    """The C ABI's trailing int args as the spec implies them: each runtime size, at the first
+    tensor axis that is exactly that size (the compiler records the same from the built function)."""
+    names, out, seen = set(runtime), [], set()
+    for arg, dims in enumerate(tensor_dims):
+        for axis, d in enumerate(dims):
+            if isinstance(d, str) and d in names and d not in seen:
+                seen.add(d)
+                out.append({"name": d, "arg": arg, "axis": axis})
+    return out
+
+
+def check_abi(meta: dict[str, Any], arch: str, tensor_dims: Sequence[Sequence[Any]], runtime: Iterable[str]) -> None:
+    """Refuse an entry whose recorded ABI is not the one its spec and arch imply.
+
+    The loader trusts the ABI to place pointers and sizes: a wrong axis or loader kind would run
+    the kernel on wrong sizes (unwritten rows, reads past the end) instead of failing.
+    """
+    abi = meta.get("abi")
+    want_dynamic = dynamic_args(tensor_dims, runtime)
+    problem = None
+    if not isinstance(abi, dict):
+        problem = "it records no ABI"
+    elif abi.get("loader") != loader_for(arch):
+        problem = f"its loader is {abi.get('loader')!r}, {arch} kernels use {loader_for(arch)!r}"
+    elif abi["loader"] == "ctypes" and abi.get("dynamic") != want_dynamic:
+        problem = f"its runtime-size args {abi.get('dynamic')!r} are not the spec's {want_dynamic}"
+    elif abi["loader"] == "tvm_ffi" and not isinstance(abi.get("tilelang_runtime", False), bool):
+        problem = "its tilelang_runtime flag is not a bool"
+    if problem:
+        raise LaunchError(
+            f"cache entry for {meta.get('kernel')!r} has a wrong ABI ({problem}); it was not loaded. "
+            "Remove it with `tkjit clear` (or delete the entry dir) and it is rebuilt"
+        )
+
+
 def load(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
-    kind = meta.get("abi", {}).get("loader")
-    loader = LOADERS.get(kind)
+    abi = meta.get("abi")
+    kind = abi.get("loader") if isinstance(abi, dict) else None
+    loader = LOADERS.get(kind) if isinstance(kind, str) else None
     if loader is None:
         raise LaunchError(f"artifact {lib} has unknown loader {kind!r}")
     return loader(lib, meta)

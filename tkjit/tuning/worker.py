@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tkjit.procs import die_with_parent, exit_status
 from tkjit.tuning import timing
 
 CHECK_CAP = 1 << 21  # input elements of the fresh-seed check (runtime dims shrunk to fit)
@@ -200,7 +201,8 @@ class _Child:
             return False
 
 
-def _main(conn, setup: WorkerSetup) -> None:
+def _main(conn, setup: WorkerSetup, parent: int) -> None:
+    die_with_parent(parent)
     # The parent owns Ctrl-C: it stops the study and shuts us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -243,16 +245,6 @@ def _main(conn, setup: WorkerSetup) -> None:
 # ----------------------------------------------------------------------------------------------
 # parent side
 # ----------------------------------------------------------------------------------------------
-def _signal_name(code: int | None) -> str:
-    if code is None:
-        return "no exit code"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return signal.Signals(-code).name
-        return f"signal {-code}"
-    return f"exit code {code}"
-
-
 class BenchWorker:
     """Parent-side handle; restarts the child after a crash or timeout (lazily, on the next job)."""
 
@@ -270,7 +262,7 @@ class BenchWorker:
             return self.info
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_main, args=(child, self.setup), daemon=True, name="tkjit-bench")
+        proc = ctx.Process(target=_main, args=(child, self.setup, os.getpid()), daemon=True, name="tkjit-bench")
         proc.start()
         child.close()
         self._proc, self._conn = proc, parent
@@ -283,7 +275,7 @@ class BenchWorker:
             proc.join(5)
             code = proc.exitcode
             self._kill()
-            raise RuntimeError(f"bench worker died while starting ({_signal_name(code)})") from None
+            raise RuntimeError(f"bench worker died while starting ({exit_status(code)})") from None
         if not hello.get("ok"):
             self._kill()
             raise RuntimeError(hello.get("error", "bench worker failed to start"))
@@ -312,7 +304,7 @@ class BenchWorker:
             code = self._proc.exitcode
             self._kill()
             self.restarts += 1
-            return {"ok": False, "kind": "crash", "error": f"bench worker died ({_signal_name(code)}); replaced"}
+            return {"ok": False, "kind": "crash", "error": f"bench worker died ({exit_status(code)}); replaced"}
         if reply.get("fatal"):
             self._kill()
             self.restarts += 1
