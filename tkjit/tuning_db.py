@@ -16,8 +16,16 @@ A file is JSON (indent=1, sorted keys, entries sorted: diffable):
      "tuned_us": 12.3, "default_us": 14.0, "speedup": 1.14, "spread": 0.01,
      "versions": {"tilelang": ..., "nvcc": ..., "tkjit": ...}, "date": "2026-12-02", "gpu": "NVIDIA H200",
      optional: "won", "trials", "spec_source", "default_config"}]}
-Files are parsed once per process (re-read only when they change) and validated; a malformed one
-raises TuningDBError naming the file and the entry. Only JSON is ever read.
+Files are parsed once per process (re-read only when they change) and validated. Only JSON is ever
+read, and only from regular files of at most MAX_DB_BYTES: a link, FIFO, directory or device is
+refused before it is read, NaN/Infinity and deep nesting are rejected.
+
+A malformed file is a unit: one bad entry condemns the whole file (the file was not written by
+`write_entries`, which validates every entry, so its other entries are not to be trusted either, and
+dropping some would silently change which neighbour the nearest-bucket search picks).
+  - `load_db` (tools that write or validate a DB) raises TuningDBError naming the file and the entry.
+  - `lookup` (serving `tkjit.get`) never raises for a DB file: it warns once per file and problem
+    (naming both) and serves the next source, as if that file were absent.
 """
 
 from __future__ import annotations
@@ -28,13 +36,15 @@ import math
 import os
 import platform
 import re
+import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from tkjit import envs
 from tkjit.errors import TuningDBError
@@ -49,6 +59,9 @@ REQUIRED = {
 OPTIONAL = {"won": bool, "trials": int, "spec_source": str, "default_config": dict, "arch": str, "note": str}
 _SCALAR = (bool, int, float, str)
 TUNING_DB_DIR = envs.TUNING_DB
+# A DB entry is ~600 bytes: 8 MiB is >10k tuned shapes of one GPU. A bigger file is not a DB we wrote,
+# and is refused from its size without being read.
+MAX_DB_BYTES = 8 << 20
 
 
 def _canon(d: Mapping[str, Any]) -> str:
@@ -128,14 +141,20 @@ def shipped_db_path(arch: str, model: str) -> Path:
 
 
 def db_files(root: Path, arch: str, model: str) -> list[Path]:
-    """The model's own file first, then the arch's other files (sorted) as fallbacks."""
+    """The model's own file first, then the arch's other files (sorted) as fallbacks.
+
+    Every *.json name is listed whatever it is (not stat'ed here): a FIFO, directory or link under a
+    DB name is refused by load_db and warned about by lookup, not skipped without a word.
+    """
     own = db_path(root, arch, model)
-    d = own.parent
     try:
-        others = sorted(p for p in d.iterdir() if p.suffix == ".json" and p.name != own.name and p.is_file())
+        names = sorted(n for n in os.listdir(own.parent) if n.endswith(".json"))
     except (FileNotFoundError, NotADirectoryError):
+        return []  # no DB for this arch: the common case
+    except OSError as e:  # unreadable: the other source still serves
+        _warn_once(own.parent, f"tuning DB dir {own.parent}: cannot list: {e}")
         return []
-    return ([own] if own.is_file() else []) + others
+    return ([own] if own.name in names else []) + [own.parent / n for n in names if n != own.name]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,8 +167,14 @@ class DBFile:
     index: dict[tuple[str, str], list[tuple[dict, dict]]]  # (kernel, static) -> [(bucket, entry)]
 
 
-_loaded: dict[str, tuple[tuple[int, int], DBFile]] = {}
+# path -> (signature of the file read, the DBFile or the TuningDBError message it gave): a broken file
+# is not parsed again on every lookup either.
+_loaded: dict[str, tuple[tuple[int, ...], DBFile | str]] = {}
+_warned: set[tuple[str, str]] = set()  # (path, problem) already warned about
 _load_lock = threading.Lock()
+# O_NOFOLLOW: a link could point anywhere (/dev/zero, a FIFO, another user's file).
+# O_NONBLOCK: open() of a FIFO would wait for a writer; with it, open returns and fstat refuses it.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _bad(path: Path, where: str, problem: str) -> TuningDBError:
@@ -203,38 +228,131 @@ def validate_doc(doc: Any, path: Path) -> None:
         seen[k] = i
 
 
-def load_db(path: Path) -> DBFile:
-    """Parsed and validated, once per process while the file is unchanged."""
-    path = Path(path)
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link (links are not followed)"), (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return f"of mode {mode:o}"
+
+
+def _check_regular(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise _bad(path, "file", f"is {_kind(st.st_mode)}, not a regular file")
+
+
+@contextlib.contextmanager
+def _open_db(path: Path) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+    """The open file and its fstat; TuningDBError for anything but a regular file (FileNotFoundError passes).
+
+    lstat first, so a device or FIFO is never even opened; the fd is checked again after open, as the
+    path may have been swapped in between (what is read is the fd, not the path).
+    """
+    _check_regular(path, os.lstat(path))
+    fd = os.open(path, _OPEN_FLAGS)
     try:
-        st = path.stat()
-    except FileNotFoundError:
+        st = os.fstat(fd)
+        _check_regular(path, st)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
         raise
-    sig = (st.st_mtime_ns, st.st_size)
-    key = str(path)
-    hit = _loaded.get(key)
-    if hit is not None and hit[0] == sig:
-        return hit[1]
+    with f:
+        yield f, st
+
+
+def _read_capped(f: BinaryIO, st: os.stat_result, path: Path) -> bytes:
+    """The whole file, refused from its fstat size if over the cap; the read itself stops at cap+1
+    bytes, for a file that grows meanwhile (or reports a size of 0, as /proc files do)."""
+    cap = MAX_DB_BYTES
+    if st.st_size > cap:
+        raise _bad(path, "file", f"{st.st_size} bytes, over the {cap}-byte cap of a DB file; not read")
+    raw = f.read(cap + 1)
+    if len(raw) > cap:
+        raise _bad(path, "file", f"grew past the {cap}-byte cap of a DB file while being read")
+    return raw
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a DB file")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):  # 1e999: json parses it to inf without asking parse_constant
+        raise ValueError(f"{text} overflows a float")
+    return v
+
+
+def _parse(path: Path, raw: bytes) -> DBFile:
     try:
-        raw = path.read_text()
-        doc = json.loads(raw)
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
     except UnicodeDecodeError as e:
         raise _bad(path, "file", f"not UTF-8 text: {e}") from None
+    except RecursionError:  # "[" * 100000: the C parser recurses once per level
+        raise _bad(path, "file", "not valid JSON: nested too deeply") from None
     except ValueError as e:
         raise _bad(path, "file", f"not valid JSON: {e}") from None
     validate_doc(doc, path)
     index: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
     for e in doc["entries"]:
         index.setdefault((e["kernel"], _canon(e["shape"])), []).append((e["bucket"], e))
-    db = DBFile(path, doc, index)
-    with _load_lock:
-        _loaded[key] = (sig, db)
-    return db
+    return DBFile(path, doc, index)
+
+
+def load_db(path: Path) -> DBFile:
+    """Parsed and validated, once per process while the file is unchanged.
+
+    Raises TuningDBError naming the file and the problem (FileNotFoundError if there is none, OSError
+    if it cannot be read); a failure is remembered like a success, so it is re-raised without re-reading.
+    """
+    path = Path(path)
+    key = str(path)
+    with _open_db(path) as (f, st):
+        sig = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)  # os.replace gives a new inode
+        hit = _loaded.get(key)
+        if hit is None or hit[0] != sig:
+            try:
+                result: DBFile | str = _parse(path, _read_capped(f, st, path))
+            except TuningDBError as e:
+                result = str(e)
+            hit = (sig, result)
+            with _load_lock:
+                _loaded[key] = hit
+    if isinstance(hit[1], str):
+        raise TuningDBError(hit[1])
+    return hit[1]
 
 
 def clear_memo() -> None:
+    """Forget parsed files and the warnings given (tests; a warning is given once per process)."""
     with _load_lock:
         _loaded.clear()
+        _warned.clear()
+
+
+def _warn_once(path: Path, problem: str) -> None:
+    with _load_lock:
+        if (str(path), problem) in _warned:
+            return
+        _warned.add((str(path), problem))
+    warnings.warn(f"tkjit: ignoring {problem}", stacklevel=4)
+
+
+def _serving_db(path: Path) -> DBFile | None:
+    """load_db for lookup: a file that cannot serve is warned about (once) and skipped, never raised."""
+    try:
+        return load_db(path)
+    except FileNotFoundError:
+        return None  # removed since the dir was listed: as if absent, nothing is wrong
+    except TuningDBError as e:
+        _warn_once(path, str(e))
+    except OSError as e:  # EACCES, EIO, or a link swapped in after lstat (ELOOP)
+        _warn_once(path, f"tuning DB {path}: file: cannot read: {e}")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,7 +365,11 @@ def _distance(a: Mapping[str, int], b: Mapping[str, int]) -> float | None:
 
 
 def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str, Any], str] | None:
-    """(config, source label) from the tuned DBs for this full shape, or None."""
+    """(config, source label) from the tuned DBs for this full shape, or None.
+
+    A DB file that cannot be used is skipped with one warning (see the module doc): serving never fails
+    because of one.
+    """
     if envs.flag(envs.NO_TUNED_DB):
         return None
     model = _current_model(arch)
@@ -258,7 +380,9 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     candidates: list[tuple[float, int, int, str, dict]] = []
     for rank, (label, root) in enumerate(sources):
         for path in db_files(root, arch, model):
-            db = load_db(path)
+            db = _serving_db(path)
+            if db is None:
+                continue
             for b, e in db.index.get((spec.name, static_key), ()):
                 if _canon(b) == bucket_key:
                     return dict(e["config"]), f"tuned:{label}"
