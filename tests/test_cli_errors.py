@@ -61,6 +61,7 @@ def test_tkjit_errors_exit_1_in_one_line(cache_dir):
     r = _cli(cache_dir, "compile", "sinkhorn_fwd", "--arch", "cpu", "--shape", "num_tokens=64", "bogus=1")
     _one_error(r, 1, "unknown shape params", "bogus")
     _one_error(_cli(cache_dir, "show", "nope"), 1, "unknown kernel 'nope'")
+    _one_error(_cli(cache_dir, "specs", "sinkhorn_fwd", "nope"), 1, "unknown kernel 'nope'")
 
 
 @pytest.mark.parametrize(

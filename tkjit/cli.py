@@ -80,8 +80,10 @@ def _compact(d: dict) -> str:
 
 
 def cmd_specs(args) -> int:
-    from tkjit.registry import all_specs
+    from tkjit.registry import all_specs, get_spec
 
+    for name in args.name:
+        get_spec(name)  # an unknown name is an error listing the known ones, not silently skipped
     for spec in all_specs():
         if args.name and spec.name not in args.name:
             continue
@@ -259,7 +261,7 @@ def _on_the_way(path: Path, root: Path) -> bool:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # One line like every other error (argparse prints the usage block first); main exits 2.
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+        raise UsageError(f"{message} (see `{self.prog} --help`)") from None
 
 
 def _size_arg(text: str) -> int:
