@@ -1,0 +1,93 @@
+"""The loader trusts an entry's recorded ABI only when it is the one the spec and arch imply."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import tkjit
+from tkjit import loader
+from tkjit.errors import LaunchError, TkjitError
+
+SHAPE = {"num_tokens": 33, "n": 4}
+
+
+@pytest.fixture(scope="module")
+def entry_meta(tmp_path_factory):
+    """A real cpu build of sinkhorn_fwd: its manifest meta and the spec's tensor dims."""
+    import os
+
+    old = os.environ.get("TKJIT_CACHE_DIR")
+    os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("abi") / "cache")
+    tkjit.reset()
+    try:
+        k = tkjit.get("sinkhorn_fwd", SHAPE, arch="cpu")
+        meta = json.loads((k.path / "manifest.json").read_text())["meta"]
+    finally:
+        tkjit.reset()
+        if old is None:
+            os.environ.pop("TKJIT_CACHE_DIR", None)
+        else:
+            os.environ["TKJIT_CACHE_DIR"] = old
+    spec = k.spec
+    return meta, [t.dims for t in (*spec.inputs, *spec.outputs)], [p.name for p in spec.runtime_params]
+
+
+def test_the_built_abi_is_the_one_the_spec_implies(entry_meta):
+    meta, dims, runtime = entry_meta
+    assert meta["abi"] == {"loader": "ctypes", "dynamic": [{"name": "num_tokens", "arg": 0, "axis": 0}]}
+    loader.check_abi(meta, "cpu", dims, runtime)
+
+
+@pytest.mark.parametrize("flip", [
+    lambda a: a["dynamic"][0].update(axis=1),
+    lambda a: a["dynamic"][0].update(arg=1),
+    lambda a: a["dynamic"][0].update(name="n"),
+    lambda a: a["dynamic"].clear(),
+    lambda a: a["dynamic"].append({"name": "num_tokens", "arg": 1, "axis": 0}),
+    lambda a: a.update(dynamic="oops"),
+    lambda a: a.update(loader="tvm_ffi"),
+    lambda a: a.update(loader=["ctypes"]),
+    lambda a: a.clear(),
+], ids=["axis", "arg", "name", "none", "extra", "not-a-list", "loader-kind", "loader-type", "empty"])
+def test_a_flipped_abi_value_is_refused(entry_meta, flip):
+    meta, dims, runtime = entry_meta
+    bad = copy.deepcopy(meta)
+    flip(bad["abi"])
+    with pytest.raises(LaunchError, match="wrong ABI"):
+        loader.check_abi(bad, "cpu", dims, runtime)
+
+
+def test_abi_must_be_an_object(entry_meta):
+    meta, dims, runtime = entry_meta
+    for abi in (None, "ctypes", [1]):
+        with pytest.raises(LaunchError, match="records no ABI"):
+            loader.check_abi({**meta, "abi": abi}, "cpu", dims, runtime)
+    with pytest.raises(LaunchError, match="unknown loader"):
+        loader.load(Path("/nonexistent"), {"abi": {"loader": ["ctypes"]}})
+
+
+@pytest.mark.parametrize("edit", ["axis", "loader"])
+def test_a_flipped_abi_on_disk_never_gives_a_wrong_answer(cache_dir, edit):
+    """A flipped value in manifest.json: the entry is rebuilt or refused with a tkjit error, never
+    served (it computed 4 of 33 tokens and left the rest unwritten)."""
+    k = tkjit.get("sinkhorn_fwd", SHAPE, arch="cpu")
+    mpath = k.path / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    if edit == "axis":
+        manifest["meta"]["abi"]["dynamic"][0]["axis"] = 1
+    else:
+        manifest["meta"]["abi"]["loader"] = "tvm_ffi"
+    mpath.write_text(json.dumps(manifest))
+    tkjit.reset()
+    x = torch.randn(33, 4, 4)
+    want = k.spec.reference(k.shape, x)
+    try:
+        y = tkjit.get("sinkhorn_fwd", SHAPE, arch="cpu")(x)
+    except TkjitError:
+        return
+    assert k.spec.tolerance.check("y", y, want) is None
