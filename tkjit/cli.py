@@ -242,7 +242,8 @@ def os_error_message(e: OSError) -> str:
     from tkjit.cache import cache_root
 
     reason = e.strerror or str(e)
-    path = os.fsdecode(e.filename) if e.filename is not None else None
+    named = isinstance(e.filename, (str, bytes, os.PathLike))  # some calls report an fd, or nothing
+    path = os.fsdecode(e.filename) if named else None
     try:
         root = cache_root()
     except Exception:  # the error being reported matters more than naming the root
@@ -275,9 +276,10 @@ def _size_arg(text: str) -> int:
 
 
 def _jobs_arg(text: str) -> int:
-    n = int(text) if _INT_RE.fullmatch(text.strip()) else 0
+    t = text.strip()
+    n = int(t) if _INT_RE.fullmatch(t) and len(t) < 10 else 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"takes a number of processes >= 1, got {brief(text)}")
+        raise argparse.ArgumentTypeError(f"takes a number of processes (1 or more, e.g. 4), got {brief(text)}")
     return n
 
 
