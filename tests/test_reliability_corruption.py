@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from reliability import counted, finish, key, spawn  # noqa: E402
 
-from tkjit.cache import MANIFEST, Cache, CorruptEntry, sha256_file  # noqa: E402
+from tkjit.cache import MANIFEST, Cache, CorruptEntry, manifest_digest, sha256_file  # noqa: E402
 
 ELF = Path(_ctypes.__file__).read_bytes()  # a real shared object for this machine
 META = {"kernel": "fake", "arch": "cpu", "shape": {"n": 4}, "config": {"b": 64}, "toolchain": {"tilelang": "1"},
@@ -37,7 +37,7 @@ def rehash(entry: Path, edit=None) -> None:
         edit(m)
     m["files"] = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                   for p in entry.iterdir() if p.name != MANIFEST}
-    (entry / MANIFEST).write_text(json.dumps(m))
+    _put_manifest(entry, m)
 
 
 def flip(path: Path, at: int) -> None:
@@ -51,6 +51,9 @@ def _manifest(e: Path) -> dict:
 
 
 def _put_manifest(e: Path, m) -> None:
+    """Write an edited manifest resealed (its checksum recomputed), so the checks behind the checksum are tested."""
+    if isinstance(m, dict):
+        m = {**m, "meta_sha256": manifest_digest(m)}
     (e / MANIFEST).write_text(json.dumps(m))
 
 

@@ -12,10 +12,17 @@ Layout under the root (one version dir, so a new layout never reads an old one):
     v1/tuned/                the user's tuning DB and Optuna journals
 
 The cache holds shared libraries that get dlopen'ed, so it is treated like ~/.ssh: every dir and
-file must belong to this user and not be writable by group or others, links are refused, and
-every file is checked against the manifest's size and sha256, and the manifest's meta against
-what was asked for (kernel, shape, config, arch, toolchain), before anything is loaded. Nothing
-read from disk is unpickled or evaluated: manifests are JSON.
+file must belong to this user and not be writable by group or others (missing parents of the
+root are created 0700, whatever the umask), links are refused, and before anything is loaded the
+manifest's structure and types are checked (`check_manifest`), its checksum (`meta_sha256`, over
+key, files and meta) is recomputed, every file is checked against the manifest's size and sha256,
+and the meta against what was asked for (kernel, shape, config, arch, toolchain). Nothing read
+from disk is unpickled or evaluated: manifests are JSON.
+
+Damaged contents never hang or crash a command: a file's kind is checked (lstat) before it is
+opened, and it is opened non-blocking, so a FIFO or device where a manifest belongs makes the
+entry corrupt rather than blocking `tkjit list` forever. A dir, FIFO, socket or device where a
+lock file or use mark belongs is removed and replaced (those dirs are private to us).
 
 Locks are `fcntl.flock` on files that are only ever unlinked by a holder of the lock; a waiter
 re-checks after acquiring that the file it locked is still the one at the path.
@@ -51,6 +58,14 @@ MANIFEST = "manifest.json"
 _KEY_RE = re.compile(r"^[0-9a-f]{40}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _MAX_MANIFEST = 1 << 20
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_MAX_SIZE = 1 << 53  # a claimed file size beyond this is nonsense (and no longer exact as a float)
+_MAX_TIME = float(1 << 37)  # about the year 6300: later `created` times cannot be shown as dates
+# Meta fields that `tkjit list`/`show` and the loader read, by their JSON type.
+_META_STR = ("kernel", "arch", "config_source", "family", "lib", "spec_source")
+_META_DICT = ("shape", "config", "toolchain", "abi")
+# Manifest fields the checksum leaves out: the checksum itself, and the publish time (shown only).
+_UNSEALED = ("meta_sha256", "created")
 QUARANTINE_KEEP = 16
 # Meta fields that define the binary: a manifest whose meta disagrees is for another variant.
 KEY_FIELDS = ("kernel", "shape", "config", "arch", "toolchain", "spec_source")
@@ -91,11 +106,22 @@ def check_private(path: Path, *, is_dir: bool) -> None:
     _check_stat(path, st, is_dir)
 
 
+class _WrongKind(CacheError):
+    """A dir where a file belongs, or a FIFO, socket or device where either belongs (not a link)."""
+
+
+def _link_error(path: Path | str) -> CacheError:
+    return CacheError(f"{path} is a symbolic link; the tkjit cache refuses links (remove it: `rm {path}`)")
+
+
 def _check_stat(path: Path | str, st: os.stat_result, is_dir: bool) -> None:
     if stat.S_ISLNK(st.st_mode):
-        raise CacheError(f"{path} is a symbolic link; the tkjit cache refuses links (remove it: `rm {path}`)")
+        raise _link_error(path)
     if is_dir != stat.S_ISDIR(st.st_mode) or not (is_dir or stat.S_ISREG(st.st_mode)):
-        raise CacheError(f"{path} should be a {'directory' if is_dir else 'regular file'}; remove it")
+        raise _WrongKind(
+            f"{path} should be a {'directory' if is_dir else 'regular file'}, not a {_kind(st.st_mode)}; "
+            f"remove it: `rm -r {path}`"
+        )
     if st.st_uid != os.getuid():
         raise CacheError(
             f"{path} is owned by uid {st.st_uid}, not you (uid {os.getuid()}); the tkjit cache "
@@ -132,33 +158,119 @@ def check_ancestors(path: Path) -> None:
             )
 
 
-def _private_dir(path: Path) -> Path:
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISLNK, "symbolic link"), (stat.S_ISREG, "regular file")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _mkdir_private(path: Path) -> bool:
+    """mkdir 0700 whatever the umask (which may leave it 0500, say); False if it already existed."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        pass
+        return False
+    os.chmod(path, 0o700)
+    return True
+
+
+def _private_dir(path: Path) -> Path:
+    _mkdir_private(path)
     check_private(path, is_dir=True)
     return path
 
 
+def _make_parents(path: Path) -> None:
+    """Create the missing dirs above the cache root, private (0700) whatever the umask.
+
+    os.makedirs would make them 0775 under umask 002, and check_ancestors then refuses the cache
+    on every later run. Existing parents are left as they are (check_ancestors vets them).
+    """
+    missing = []
+    for parent in path.parents:
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
+    for parent in reversed(missing):
+        _mkdir_private(parent)  # FileExistsError-safe: a concurrent run may create it too
+
+
 def _open_private(path: Path, flags: int = os.O_RDONLY) -> int:
-    """Open a regular file of ours without following links; the fd is checked, not the path."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """Open a regular file of ours without following links; the fd is checked, not the path.
+
+    The kind is checked before opening: opening a FIFO blocks until a writer comes (forever), and
+    opening a device can have side effects. O_NONBLOCK covers a swap between the check and the
+    open; it is cleared once the fd is known to be a regular file.
+    """
+    try:
+        _check_stat(path, os.lstat(path), False)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link swapped in since the check
+            raise _link_error(path) from None
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # a dir, or a FIFO without a reader, swapped in
+            raise _WrongKind(f"{path} should be a regular file; remove it: `rm -r {path}`") from None
+        raise
     try:
         _check_stat(path, os.fstat(fd), False)
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _read_private(path: Path, limit: int) -> bytes:
+def _remove_wrong_kind(path: Path) -> None:
+    """Remove a dir, FIFO, socket or device where a lock file or use mark belongs.
+
+    Those live in our private dirs, so such a thing is damage, not anyone's data. Repairs are
+    serialised by a flock on the parent dir and re-check the path under it: one repairer never
+    removes the regular file that another process created (and may hold locked) after an
+    earlier repair. Links are not removed here: they stay refused with an error.
+    """
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        fd = _open_private(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CacheError(f"{path} is a symbolic link; the tkjit cache refuses links (remove it)") from None
-        raise
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            return
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise CacheError(
+                f"{path} should be a regular file, not a {_kind(st.st_mode)}, and cannot be removed "
+                f"({e.strerror}); remove it: `rm -r {path}`"
+            ) from None
+    finally:
+        os.close(dfd)
+
+
+def _open_mark(path: Path, flags: int) -> int:
+    """_open_private for a lock file or use mark: a dir or FIFO in its place is removed, then one retry."""
+    try:
+        return _open_private(path, flags)
+    except _WrongKind:
+        _remove_wrong_kind(path)
+    return _open_private(path, flags)
+
+
+def _read_private(path: Path, limit: int) -> bytes:
+    fd = _open_private(path)
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
@@ -184,6 +296,66 @@ def _fsync_dir(path: Path) -> None:
 
 def _json_norm(v: Any) -> Any:
     return json.loads(json.dumps(v, sort_keys=True))
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a manifest minus `created` and the checksum itself.
+
+    Binds key, files table and meta (the loader kind, dynamic axes, lib), which the file hashes
+    alone leave open to a flipped bit or a stray edit. Not a signature: anyone who can write the
+    cache could reseal it, but such a user is already refused (the cache must be private).
+    """
+    body = {k: v for k, v in manifest.items() if k not in _UNSEALED}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_manifest(manifest: Any, key: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The (files, meta) of a manifest whose structure and types are sound; CorruptEntry if not.
+
+    The one place the JSON's shape is checked, for verify and for `tkjit list`: everything read
+    from a manifest afterwards can rely on these types. The checksum is checked by verify.
+    """
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        raise CorruptEntry("manifest does not name this key")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CorruptEntry("manifest lists no files")
+    for name, info in files.items():
+        if not _FILE_RE.fullmatch(name) or name == MANIFEST:
+            raise CorruptEntry(f"manifest names a bad file {name[:80]!r}")  # (values are shown cut short)
+        if not isinstance(info, dict):
+            raise CorruptEntry(f"manifest entry for {name} is not an object")
+        size, sha = info.get("size"), info.get("sha256")
+        if not (_is_int(size) and 0 <= size < _MAX_SIZE):
+            raise CorruptEntry(f"manifest gives {name} a bad size ({type(size).__name__} {str(size)[:20]})")
+        if not (isinstance(sha, str) and _SHA_RE.fullmatch(sha)):
+            raise CorruptEntry(f"manifest gives {name} a bad sha256 ({type(sha).__name__} {str(sha)[:70]!r})")
+    meta = manifest.get("meta")
+    if not isinstance(meta, dict):
+        raise CorruptEntry("manifest has no meta")
+    for k in _META_STR:
+        if not isinstance(meta.get(k, ""), str):
+            raise CorruptEntry(f"manifest meta {k} is not a string")
+    for k in _META_DICT:
+        if not isinstance(meta.get(k, {}), dict):
+            raise CorruptEntry(f"manifest meta {k} is not an object")
+    created = manifest.get("created")
+    if created is not None and not ((_is_int(created) or isinstance(created, float)) and 0 <= created <= _MAX_TIME):
+        raise CorruptEntry(f"manifest created ({type(created).__name__} {str(created)[:20]}) is not a time")
+    return files, meta
+
+
+def _parse_manifest(raw: bytes, key: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, Any]]:
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptEntry(f"manifest is not JSON: {e}") from None
+    files, meta = check_manifest(manifest, key)
+    return manifest, files, meta
 
 
 def _check_elf(path: Path) -> None:
@@ -233,12 +405,7 @@ def _lock_file(path: Path, op: int, timeout: float | None) -> int | None:
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        try:
-            fd = _open_private(path, os.O_RDWR | os.O_CREAT)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CacheError(f"{path} is a symbolic link; the tkjit cache refuses links (remove it)") from None
-            raise
+        fd = _open_mark(path, os.O_RDWR | os.O_CREAT)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not _poll_flock(fd, op, left):
             os.close(fd)
@@ -313,6 +480,14 @@ class Entry:
         return self.path / name
 
 
+@dataclass(frozen=True)
+class Cleared:
+    """What Cache.clear did: entries removed, and keys kept because in use or being built."""
+
+    removed: int
+    skipped: tuple[str, ...]
+
+
 class Cache:
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root).absolute() if root is not None else cache_root()
@@ -330,10 +505,7 @@ class Cache:
         if self._ready:
             return
         check_ancestors(self.root)
-        try:
-            os.makedirs(self.root.parent, exist_ok=True)
-        except FileExistsError:
-            pass
+        _make_parents(self.root)
         _private_dir(self.root)
         _private_dir(self.base)
         for sub in ("entries", "staging", "locks", "quarantine", "tuned"):
@@ -362,7 +534,10 @@ class Cache:
         CorruptEntry if not, FileNotFoundError if absent, CacheError if it is not private.
         """
         path = self.entry_path(key)
-        check_private(path, is_dir=True)
+        try:
+            check_private(path, is_dir=True)
+        except _WrongKind:  # a file or FIFO in our private entries dir: damage, moved aside like any
+            raise CorruptEntry(f"entry {key} is not a directory") from None
         ino = os.lstat(path).st_ino
         try:
             return self._verify(key, path, expect)
@@ -381,18 +556,9 @@ class Cache:
             raw = _read_private(path / MANIFEST, _MAX_MANIFEST)
         except FileNotFoundError:
             raise CorruptEntry("manifest missing") from None
-        try:
-            manifest = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise CorruptEntry(f"manifest is not JSON: {e}") from None
-        if not isinstance(manifest, dict) or manifest.get("key") != key:
-            raise CorruptEntry("manifest does not name this key")
-        files = manifest.get("files")
-        if not isinstance(files, dict) or not files:
-            raise CorruptEntry("manifest lists no files")
-        meta = manifest.get("meta")
-        if not isinstance(meta, dict):
-            raise CorruptEntry("manifest has no meta")
+        manifest, files, meta = _parse_manifest(raw, key)
+        if manifest.get("meta_sha256") != manifest_digest(manifest):  # absent, too: no unsealed manifests
+            raise CorruptEntry("manifest meta does not match its checksum")
         try:
             present = set(os.listdir(path))
         except FileNotFoundError:
@@ -400,11 +566,7 @@ class Cache:
         extra = present - set(files) - {MANIFEST}
         if extra:
             raise CorruptEntry(f"entry holds files the manifest does not list: {sorted(extra)}")
-        for name, info in files.items():
-            if not isinstance(name, str) or not _FILE_RE.fullmatch(name) or name == MANIFEST:
-                raise CorruptEntry(f"manifest names a bad file {name!r}")
-            if not isinstance(info, dict):
-                raise CorruptEntry(f"manifest entry for {name} is not an object")
+        for name, info in files.items():  # names and types already checked by check_manifest
             fpath = path / name
             try:
                 _check_kind(fpath)
@@ -412,9 +574,9 @@ class Cache:
                 size = os.lstat(fpath).st_size
             except FileNotFoundError:
                 raise CorruptEntry(f"{name} is missing") from None
-            if size != info.get("size"):
-                raise CorruptEntry(f"{name} has {size} bytes, manifest says {info.get('size')}")
-            if sha256_file(fpath) != info.get("sha256"):
+            if size != info["size"]:
+                raise CorruptEntry(f"{name} has {size} bytes, manifest says {info['size']}")
+            if sha256_file(fpath) != info["sha256"]:
                 raise CorruptEntry(f"{name} does not match its sha256")
         lib = meta.get("lib")
         if lib is not None:
@@ -482,7 +644,7 @@ class Cache:
         if str(p) in _PINS:
             return True
         try:
-            fd = _open_private(p, os.O_RDWR)
+            fd = _open_mark(p, os.O_RDWR)
         except FileNotFoundError:
             return False
         try:
@@ -498,7 +660,7 @@ class Cache:
             if fd is not None:
                 os.utime(fd)
                 return
-            fd = _open_private(p, os.O_WRONLY | os.O_CREAT)
+            fd = _open_mark(p, os.O_WRONLY | os.O_CREAT)
             try:
                 os.utime(fd)
             finally:
@@ -535,13 +697,11 @@ class Cache:
         qdir = self._dir("quarantine")
         dst = qdir / f"{key}.{int(time.time())}.{uuid.uuid4().hex[:8]}"
         try:
+            if not stat.S_ISDIR(os.lstat(src).st_mode):
+                os.unlink(src)  # a file, FIFO or link where an entry should be: nothing to keep
+                return
             os.rename(src, dst)
         except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENOTDIR, errno.EISDIR):
-                raise
-            os.unlink(src)  # a file (or link) where an entry should be: nothing to keep
             return
         with contextlib.suppress(OSError):
             fd = os.open(dst / "REASON", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -625,7 +785,10 @@ class Cache:
             files[p.name] = {"size": p.lstat().st_size, "sha256": sha256_file(p)}
         if not files:
             raise CacheError(f"the build of {key} wrote no files")
-        manifest = {"key": key, "files": files, "meta": meta, "created": time.time()}
+        # Normalised as it will read back (tuples become lists), then sealed; `created` is not sealed.
+        manifest = _json_norm({"key": key, "files": files, "meta": meta})
+        manifest["meta_sha256"] = manifest_digest(manifest)
+        manifest["created"] = time.time()
         mpath = staging / MANIFEST
         fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -680,22 +843,22 @@ class Cache:
             try:
                 st = os.lstat(p.path)
                 if not stat.S_ISDIR(st.st_mode):
-                    rows.append({"key": p.name, "status": "corrupt", "size": st.st_size, "last_used": st.st_mtime})
+                    rows.append({"key": p.name, "status": "corrupt", "size": st.st_size, "created": None,
+                                 "last_used": st.st_mtime})
                     continue
-                row: dict[str, Any] = {"key": p.name}
                 try:
-                    manifest = json.loads(_read_private(Path(p.path) / MANIFEST, _MAX_MANIFEST))
-                    meta = manifest.get("meta", {})
-                    row.update(meta if isinstance(meta, dict) else {})
-                    row["key"] = p.name
-                    row["size"] = sum(int(f.get("size", 0)) for f in manifest.get("files", {}).values())
-                    row["created"] = manifest.get("created")
+                    raw = _read_private(Path(p.path) / MANIFEST, _MAX_MANIFEST)
                 except FileNotFoundError:
                     if not os.path.lexists(p.path):
                         continue  # removed while we looked
                     raise CorruptEntry("manifest missing") from None
-                except (OSError, ValueError, AttributeError, TypeError, CorruptEntry, CacheError):
+                except (OSError, CacheError):  # not ours, a link, a FIFO, a dir...: never opened blocking
                     raise CorruptEntry("unreadable manifest") from None
+                manifest, files, meta = _parse_manifest(raw, p.name)
+                row: dict[str, Any] = {k: v for k, v in meta.items() if k != "status"}  # status: ours to set
+                row["key"] = p.name
+                row["size"] = sum(info["size"] for info in files.values())
+                row["created"] = manifest.get("created")
             except FileNotFoundError:
                 continue
             except CorruptEntry:
@@ -766,15 +929,24 @@ class Cache:
         self.ensure()
         return self._evict(key, force=force, wait=None)
 
-    def clear(self, *, force: bool = False) -> int:
-        """Remove every entry not in use (all with force), the quarantine and dead staging dirs."""
-        n = 0
+    def clear(self, *, force: bool = False) -> Cleared:
+        """Remove every entry not in use (all with force), the quarantine and dead staging dirs.
+
+        A key whose lock is held (a live process compiling or removing it) is skipped at once,
+        like prune does, rather than waited for up to the lock timeout; so is an entry in use
+        (unless force). Both are reported in `skipped`.
+        """
+        removed, skipped = 0, []
         for row in self.entries():
-            n += self.remove(row["key"], force=force)
+            k = row["key"]
+            if self._evict(k, force=force, wait=0):
+                removed += 1
+            elif os.path.lexists(self.entry_path(k)):  # not merely removed by someone else meanwhile
+                skipped.append(k)
         self.clean_staging()
         shutil.rmtree(self._dir("quarantine"), ignore_errors=True)
         _private_dir(self._dir("quarantine"))
-        return n
+        return Cleared(removed, tuple(skipped))
 
     def total_bytes(self) -> int:
         return sum(int(r.get("size", 0)) for r in self.entries())

@@ -154,7 +154,7 @@ def main() -> int:
                 n["removed"] += len(cache.prune(random.choice([0, 60_000, 200_000])))
                 n["prune"] += 1
             else:
-                n["removed"] += cache.clear()
+                n["removed"] += cache.clear().removed
                 n["clear"] += 1
             time.sleep(0.005)
         print(json.dumps(n), flush=True)
