@@ -185,8 +185,11 @@ def cmd_compile(args) -> int:
 def cmd_clear(args) -> int:
     from tkjit.api import cache
 
-    n = cache().clear()
-    print(f"removed {n} entries from {cache().root}")
+    res = cache().clear()
+    msg = f"removed {res.removed} entries from {cache().root}"
+    if res.skipped:
+        msg += f"; skipped {len(res.skipped)} in use or being built: {', '.join(k[:12] for k in res.skipped)}"
+    print(msg)
     return 0
 
 
