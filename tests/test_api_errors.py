@@ -143,3 +143,25 @@ def test_every_failure_is_a_tkjit_error():
     for shape in ({"num_tokens": HUGE}, {"num_tokens": 64, "eps": 10**400}, {"num_tokens": 64, "n": "4"}):
         with pytest.raises(TkjitError):
             tkjit.get("sinkhorn_fwd", shape, arch="cpu")
+
+
+def test_memo_does_not_serve_an_equal_value_of_another_type(monkeypatch):
+    """get() memoises by argument: 1, 1.0 and True are equal keys, yet only 1 is a valid int param."""
+    from tkjit import api
+
+    calls = []
+
+    def resolve(name, shape, arch, config):
+        calls.append(shape)
+        get_spec(name).canonical_shape(shape)
+        return object()
+
+    monkeypatch.setattr(api, "_resolve", resolve)
+    api.reset()
+    try:
+        tkjit.get("sinkhorn_fwd", {"num_tokens": 8, "n": 4}, arch="cpu")
+        for bad in (4.0, True):
+            with pytest.raises(ShapeError):
+                tkjit.get("sinkhorn_fwd", {"num_tokens": 8, "n": bad}, arch="cpu")
+    finally:
+        api.reset()

@@ -13,7 +13,7 @@ from typing import Any
 from tkjit import loader
 from tkjit.arch import resolve_arch
 from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed, _private_tempdir
-from tkjit.errors import CacheError, ConfigError, ShapeError
+from tkjit.errors import CacheError, ConfigError, ShapeError, brief
 from tkjit.kernel import CompiledKernel
 from tkjit.key import key_material, key_of
 from tkjit.registry import get_spec
@@ -43,7 +43,8 @@ def reset() -> None:
 
 
 def _freeze(d: Mapping | None) -> tuple | None:
-    return None if d is None else tuple(sorted(d.items()))
+    # Types too: 1, 1.0 and True are equal keys, but only one of them is a valid int param.
+    return None if d is None else tuple(sorted((k, type(v), v) for k, v in d.items()))
 
 
 def get(
@@ -66,7 +67,7 @@ def get(
     if hit is not None:
         return hit
     if shape is not None and not isinstance(shape, Mapping):
-        raise ShapeError(f"{name}: shape must be a mapping of param name -> value, got {shape!r}")
+        raise ShapeError(f"{brief(name)}: shape must be a mapping of param name -> value, got {brief(shape)}")
     kernel = _resolve(name, {**(shape or {}), **shape_kw}, arch, config)
     if mk is not None:
         with _lock:
