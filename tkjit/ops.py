@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tkjit.torch_ops import _arch_of, encode_config  # noqa: F401 - registers torch.ops.tkjit.*; _arch_of for callers
+from tkjit.torch_ops import encode_config  # importing tkjit.torch_ops registers torch.ops.tkjit.*
 
 _ops = torch.ops.tkjit
 _sinkhorn_fwd = _ops.sinkhorn_fwd.default
