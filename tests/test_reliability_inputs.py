@@ -184,7 +184,7 @@ MALFORMED_DBS = {
 
 @pytest.mark.parametrize("what", list(MALFORMED_DBS))
 def test_malformed_tuning_db(cache_dir, monkeypatch, what):
-    from tkjit import api, tuning_db
+    from tkjit import tuning_db
     from tkjit.errors import TuningDBError
 
     monkeypatch.setenv("TKJIT_TUNING_DB", str(cache_dir.parent / "no-shipped-db"))
@@ -195,7 +195,7 @@ def test_malformed_tuning_db(cache_dir, monkeypatch, what):
     tuning_db.clear_memo()
     try:  # serving warns once, naming the file, and falls back; tools that read the DB get the error
         with pytest.warns(UserWarning, match=re.escape(str(path))):
-            assert api.choose_config(SPEC, FULL, "cpu", None)[1] == "default"
+            assert tuning_db.choose_config(SPEC, FULL, "cpu", None)[1] == "default"
         with pytest.raises(TuningDBError, match=re.escape(str(path))):
             tuning_db.load_db(path)
         assert tkjit.get("sinkhorn_fwd", {"num_tokens": 64}, arch="cpu").config_source == "default"

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from reliability import FILES, fake_build, key, meta_for, spawn, verify_all, wait_line, worker_env  # noqa: E402
 
 import tkjit  # noqa: E402
-from tkjit import api  # noqa: E402
+from tkjit import build  # noqa: E402
 from tkjit.cache import Cache  # noqa: E402
 from tkjit.errors import CacheError  # noqa: E402
 
@@ -155,7 +155,7 @@ def _run(k, n_tokens=50):
 
 @pytest.fixture
 def fresh(cache_dir, monkeypatch):
-    monkeypatch.setattr(api, "_warned_readonly", False)
+    monkeypatch.setattr(build, "_warned_readonly", False)
     compiles = []
     import tkjit.compiler as comp
 
@@ -259,5 +259,5 @@ def test_compiler_errors_are_not_mistaken_for_a_full_disk(cache_dir, monkeypatch
     spec = get_spec("sinkhorn_fwd")
     full = spec.canonical_shape({"num_tokens": 8})
     with pytest.raises(FileNotFoundError, match="nvcc"):
-        api.ensure_entry(spec, spec.static_shape(full), spec.default_config(full, "cpu"), "cpu")
+        build.ensure_entry(spec, spec.static_shape(full), spec.default_config(full, "cpu"), "cpu")
     assert calls == [1]

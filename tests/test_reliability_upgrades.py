@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 import tkjit.key as keymod  # noqa: E402
-from tkjit import api  # noqa: E402
+from tkjit import build  # noqa: E402
 from tkjit.cache import Cache, CorruptEntry  # noqa: E402
 from tkjit.registry import get_spec  # noqa: E402
 
@@ -22,7 +22,7 @@ STATIC = SPEC.static_shape(FULL)
 
 def _key(arch: str, spec=SPEC, cfg=None) -> str:
     cfg = cfg or SPEC.default_config(FULL, arch)
-    return api.entry_key(spec, STATIC, cfg, arch)[0]
+    return build.entry_key(spec, STATIC, cfg, arch)[0]
 
 
 @pytest.mark.parametrize(
@@ -69,8 +69,8 @@ def test_every_key_input_matters():
     assert _key("sm_90a") != base
     other_cfg = [c for c in SPEC.configs(FULL, "cpu") if c != cfg][0]
     assert _key("cpu", cfg=other_cfg) != base
-    assert api.entry_key(SPEC, {**STATIC, "repeat": 11}, cfg, "cpu")[0] != base
-    assert api.entry_key(SPEC, {**STATIC, "eps": 1e-7}, cfg, "cpu")[0] != base
+    assert build.entry_key(SPEC, {**STATIC, "repeat": 11}, cfg, "cpu")[0] != base
+    assert build.entry_key(SPEC, {**STATIC, "eps": 1e-7}, cfg, "cpu")[0] != base
 
 
 def test_entry_of_an_old_toolchain_is_not_served_even_under_a_colliding_key(tmp_path, monkeypatch):
@@ -78,7 +78,7 @@ def test_entry_of_an_old_toolchain_is_not_served_even_under_a_colliding_key(tmp_
     from reliability import fake_build
 
     cfg = SPEC.default_config(FULL, "cpu")
-    key, material = api.entry_key(SPEC, STATIC, cfg, "cpu")
+    key, material = build.entry_key(SPEC, STATIC, cfg, "cpu")
     meta = {"kernel": SPEC.name, "shape": STATIC, "config": cfg, "arch": "cpu",
             "toolchain": material["toolchain"], "spec_source": SPEC.source_hash}
     cache = Cache(tmp_path / "c")

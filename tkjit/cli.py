@@ -101,7 +101,7 @@ def cmd_specs(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from tkjit.api import cache
+    from tkjit.build import cache
 
     entries = cache().entries()
     rows = []
@@ -138,7 +138,7 @@ def cmd_show(args) -> int:
     for ex in spec.examples:
         full = spec.canonical_shape(ex)
         print(f"  example {ex}: default {spec.default_config(full)}, {len(spec.configs(full))} allowed configs")
-    from tkjit.api import cache
+    from tkjit.build import cache
 
     mine = [r for r in cache().entries() if r.get("kernel") == spec.name]
     print(f"  cached  {len(mine)} entries")
@@ -148,10 +148,10 @@ def cmd_show(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from tkjit.api import choose_config
     from tkjit.arch import resolve_arch
-    from tkjit.compiler import compile_many
+    from tkjit.pool import compile_many
     from tkjit.registry import all_specs, get_spec
+    from tkjit.tuning_db import choose_config
 
     # The arguments first: a usage error is reported before any lookup or environment problem.
     cfg_in = parse_kv(args.config, "config") if args.config else None
@@ -183,7 +183,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_clear(args) -> int:
-    from tkjit.api import cache
+    from tkjit.build import cache
 
     res = cache().clear()
     msg = f"removed {res.removed} entries from {cache().root}"
@@ -194,7 +194,7 @@ def cmd_clear(args) -> int:
 
 
 def cmd_prune(args) -> int:
-    from tkjit.api import cache
+    from tkjit.build import cache
 
     removed = cache().prune(args.max_size)
     print(f"evicted {len(removed)} least recently used entries; {_size(cache().total_bytes())} left")
@@ -205,8 +205,8 @@ def cmd_doctor(args) -> int:
     import platform
 
     from tkjit import envs, key
-    from tkjit.api import cache
     from tkjit.arch import current_arch
+    from tkjit.build import cache
     from tkjit.errors import CacheError
     from tkjit.version import __version__
 

@@ -12,27 +12,18 @@ The nvcc that runs is the one the key names (`TKJIT_NVCC`, else TileLang's own l
 `tkjit.key.nvcc_path` mirrors): checked once TileLang is imported, so a key never describes a
 binary another compiler built.
 
-Many variants compile on a spawn pool whose processes import TileLang once and publish through
-`ensure_entry`; the tuner keeps one pool alive across its batches and studies. Workers die with
-their parent. A process that dies (a compiler segfault) breaks the pool: it is rebuilt and the
-batch's jobs retried one at a time, each job that kills its worker once more in a fresh one; only
-a job that kills it twice fails, with the worker's exit signal in its error.
+Many variants compile in parallel on `tkjit.pool.CompilePool`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import multiprocessing as mp
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +32,13 @@ from tkjit.arch import tilelang_target
 from tkjit.cache import check_private
 from tkjit.errors import CompileError, ConfigError
 from tkjit.loader import dynamic_args
-from tkjit.procs import die_with_parent, exit_status
 from tkjit.spec import KernelSpec
 
 KERNEL_LIB = "kernel.so"
 KERNEL_SRC = "kernel.cu"
 
 
-def _import_tilelang():
+def import_tilelang():
     # Our cache is the cache: TileLang's own would keep a second copy of every variant.
     os.environ.setdefault("TILELANG_DISABLE_CACHE", "1")
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
@@ -146,7 +136,7 @@ def _dynamic_args(prim_func) -> list[dict[str, Any]]:
 
 def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str, out_dir: Path) -> dict[str, Any]:
     """Build and compile into out_dir; returns the ABI metadata the loader needs."""
-    tilelang = _import_tilelang()
+    tilelang = import_tilelang()
     if arch != "cpu":
         _check_nvcc()
     out_dir = Path(out_dir)
@@ -194,149 +184,3 @@ def _compile_in(
         # libtilelang.so; record it so the loader brings that library in only when needed.
         abi = {"loader": "tvm_ffi", "tilelang_runtime": "__tvm_tensormap_create" in host}
     return {"abi": abi, "lib": KERNEL_LIB}
-
-
-def default_jobs() -> int:
-    env = envs.JOBS.get()
-    if env:
-        try:
-            n = int(env.strip())
-        except ValueError:
-            n = 0
-        if not 1 <= n <= 4096:
-            raise ConfigError(f"TKJIT_JOBS={env!r} is not valid: expected a number of processes >= 1, e.g. 4")
-        return n
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
-Job = tuple[str, dict, dict, str, str]  # (kernel, static shape, config, arch, config source)
-Result = tuple[str | None, str | None]  # (key, error): a key only when the entry is in the cache
-
-def _init(imports: Sequence[str], parent: int) -> None:
-    die_with_parent(parent)
-    for m in imports:
-        importlib.import_module(m)
-    _import_tilelang()  # once per process, not per job
-
-
-def _compile_one(job: Job) -> Result:
-    from tkjit.api import cache, ensure_entry
-    from tkjit.registry import get_spec
-
-    name, static, config, arch, source = job
-    try:
-        entry, key = ensure_entry(get_spec(name), static, config, arch, source)
-    except Exception as e:  # one bad config must not stop the batch
-        return None, f"{type(e).__name__}: {e}"
-    if entry.path != cache().entry_path(key):  # served from a temp dir: the disk refused it
-        why = entry.meta.get("uncached_reason", "the cache refused the entry")
-        return None, f"compiled but not cached: {why}"
-    return key, None
-
-
-def _noop() -> None:
-    return None
-
-
-def _cause(codes: Sequence[int | None]) -> str:
-    """How a broken pool's worker ended: the pool SIGTERMs the survivors, so another code is the cause."""
-    for code in sorted((c for c in codes if c), key=lambda c: c == -signal.SIGTERM):
-        return f"worker ended by {exit_status(code)}"
-    return "worker exit status unknown"
-
-
-class CompilePool:
-    def __init__(self, n_jobs: int | None = None, imports: Sequence[str] = ()) -> None:
-        self.n_jobs = max(1, n_jobs or default_jobs())
-        self.imports = tuple(imports)
-        self._ex: ProcessPoolExecutor | None = None
-        self.compiled = 0  # jobs submitted (cache hits included): tests count these
-
-    def _pool(self) -> ProcessPoolExecutor:
-        if self._ex is None:
-            self._ex = ProcessPoolExecutor(
-                max_workers=self.n_jobs, mp_context=mp.get_context("spawn"),
-                initializer=_init, initargs=(self.imports, os.getpid()),
-            )
-        return self._ex
-
-    def warm(self) -> None:
-        """Start the processes now (they import TileLang in the background)."""
-        ex = self._pool()
-        for _ in range(self.n_jobs):
-            ex.submit(_noop)
-
-    def compile(self, jobs: Sequence[Job]) -> list[Result]:
-        """(key, error) per job, in order."""
-        self.compiled += len(jobs)
-        if not jobs:
-            return []
-        try:
-            return list(self._pool().map(_compile_one, jobs))
-        except BrokenProcessPool:
-            self._reset()
-        return [self._isolated(job) for job in jobs]
-
-    def _isolated(self, job: Job) -> Result:
-        """One job alone, in a fresh worker if it kills one: compilers crash now and then (a flaky
-        nvcc or ptxas); a job that kills its worker twice is reported with how the worker died."""
-        for attempt in range(2):
-            try:
-                return self._pool().submit(_compile_one, job).result()
-            except BrokenProcessPool:
-                how = self._reset()
-                if attempt:
-                    return None, f"the compiler process died twice on this config ({how})"
-        raise AssertionError("unreachable")
-
-    def compile_iter(self, jobs: Sequence[Job]):
-        """Yield (key, error) per job, in order, each as soon as it is done: the caller benchmarks
-        early results while the rest compile. A broken pool falls back to `compile` for the rest."""
-        self.compiled += len(jobs)
-        try:
-            futures = [self._pool().submit(_compile_one, j) for j in jobs]
-        except BrokenProcessPool:
-            self._reset()
-            futures = []
-        for i, f in enumerate(futures):
-            try:
-                res = f.result()
-            except BrokenProcessPool:
-                self._reset()
-                self.compiled -= len(jobs) - i
-                yield from self.compile(jobs[i:])
-                return
-            yield res
-        if not futures and jobs:
-            self.compiled -= len(jobs)
-            yield from self.compile(jobs)
-
-    def _reset(self) -> str:
-        """Drop a (broken) pool; returns how its workers ended."""
-        ex, self._ex = self._ex, None
-        if ex is None:
-            return "worker exit status unknown"
-        procs = list(getattr(ex, "_processes", {}).values())  # the stdlib keeps no public handle
-        ex.shutdown(wait=True, cancel_futures=True)
-        return _cause([p.exitcode for p in procs])
-
-    def close(self) -> None:
-        if self._ex is not None:
-            self._ex.shutdown(wait=True, cancel_futures=True)
-        self._ex = None
-
-
-def compile_many(
-    jobs: Sequence[Job], n_jobs: int | None = None, imports: Sequence[str] = ()
-) -> list[Result]:
-    """Compile and publish (name, static_shape, config, arch, config_source) variants in parallel.
-
-    Returns (key, error) per job, in order; a variant that compiled but could not be cached (a
-    read-only or full disk) is an error. Specs are looked up by name in the workers, so they must be
-    importable there (built-in, registered through a `tkjit.specs` entry point, or in `imports`).
-    """
-    pool = CompilePool(min(n_jobs or default_jobs(), max(1, len(jobs))), imports)
-    try:
-        return pool.compile(jobs)
-    finally:
-        pool.close()

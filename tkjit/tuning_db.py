@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tkjit import envs
-from tkjit.errors import TuningDBError
+from tkjit.errors import ConfigError, TuningDBError
 from tkjit.spec import KernelSpec
 
 SCHEMA = 1
@@ -112,7 +112,7 @@ def _current_model(arch: str) -> str:
 
 
 def user_db_dir() -> Path:
-    from tkjit.api import cache
+    from tkjit.build import cache
 
     return cache().base / "tuned"
 
@@ -121,9 +121,7 @@ def shipped_db_dir() -> Path:
     env = TUNING_DB_DIR.get()
     if env:
         return Path(env).expanduser()
-    import tkjit
-
-    return Path(tkjit.__file__).resolve().parent.parent / "tuning_db"
+    return Path(__file__).resolve().parent.parent / "tuning_db"
 
 
 def db_path(root: Path, arch: str, model: str) -> Path:
@@ -400,6 +398,23 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
 # ----------------------------------------------------------------------------------------------
 # writing
 # ----------------------------------------------------------------------------------------------
+def choose_config(
+    spec: KernelSpec, full: dict[str, Any], arch: str, config: Mapping[str, Any] | None
+) -> tuple[dict[str, Any], str]:
+    """The config to build and where it came from: explicit -> tuned DB (user's, then shipped) ->
+    nearest tuned bucket -> the spec's heuristic default."""
+    if config is not None:
+        return spec.check_config(full, config, arch), "explicit"
+    found = lookup(spec, full, arch)
+    if found is not None:
+        cfg, source = found
+        try:
+            return spec.check_config(full, cfg, arch), source
+        except ConfigError as e:  # a DB written for an older space: say so, serve the default
+            warnings.warn(f"tkjit: ignoring tuned config from {source}: {e}", stacklevel=3)
+    return spec.default_config(full, arch), "default"
+
+
 def versions(arch: str) -> dict[str, str]:
     from tkjit.key import nvcc_version, tilelang_version
     from tkjit.version import __version__
@@ -433,7 +448,7 @@ def _lock_path(path: Path) -> Path:
     """Writers of one DB file serialise on a lock in the cache (not beside a file in the repo)."""
     import hashlib
 
-    from tkjit.api import cache
+    from tkjit.build import cache
 
     c = cache()
     c.ensure()

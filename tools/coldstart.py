@@ -68,13 +68,14 @@ BREAKDOWN = textwrap.dedent(
     torch.empty(1, device="cuda"); torch.cuda.synchronize()
     T = time.perf_counter
     steps = {}
-    t = T(); import tkjit; from tkjit import api, registry, arch as A, loader; steps["import tkjit"] = T() - t
+    t = T(); import tkjit; from tkjit import build, registry, tuning_db, arch as A, loader
+    steps["import tkjit"] = T() - t
     name, shape = sys.argv[1], json.loads(sys.argv[2])
     t = T(); spec = registry.get_spec(name); steps["get_spec (import spec module)"] = T() - t
     t = T(); full = spec.canonical_shape(shape); a = A.resolve_arch(None); steps["shape + arch"] = T() - t
-    t = T(); cfg, src = api.choose_config(spec, full, a, None); steps["choose_config (tuning DB)"] = T() - t
-    t = T(); key, _ = api.entry_key(spec, spec.static_shape(full), cfg, a); steps["cache key"] = T() - t
-    t = T(); e, _ = api.ensure_entry(spec, spec.static_shape(full), cfg, a); steps["verify entry"] = T() - t
+    t = T(); cfg, src = tuning_db.choose_config(spec, full, a, None); steps["choose_config (tuning DB)"] = T() - t
+    t = T(); key, _ = build.entry_key(spec, spec.static_shape(full), cfg, a); steps["cache key"] = T() - t
+    t = T(); e, _ = build.ensure_entry(spec, spec.static_shape(full), cfg, a); steps["verify entry"] = T() - t
     t = T(); import ctypes; ml = "ml_dtypes" in sys.modules; sys.modules.setdefault("ml_dtypes", None)
     import tvm_ffi; steps["import tvm_ffi"] = T() - t
     if not ml: sys.modules.pop("ml_dtypes", None)

@@ -14,7 +14,7 @@ import json
 import sys
 
 import tkjit
-from tkjit.compiler import compile_many
+from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, rel_spread, time_cuda
 

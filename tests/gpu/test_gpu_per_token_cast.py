@@ -5,7 +5,7 @@ import torch
 
 import tkjit
 import tkjit.ops
-from tkjit.compiler import compile_many
+from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
 

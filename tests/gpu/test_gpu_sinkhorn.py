@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tkjit
-from tkjit.compiler import compile_many
+from tkjit.pool import compile_many
 from tkjit.testing import check
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import torch
 import tkjit
 from kernel_specs.mhc.sinkhorn import reference as fwd_reference
 from tkjit.arch import current_arch
-from tkjit.compiler import compile_many
+from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
 

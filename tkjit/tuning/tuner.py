@@ -69,7 +69,7 @@ class LocalEvaluator:
     ) -> None:
         import importlib
 
-        from tkjit.compiler import CompilePool
+        from tkjit.pool import CompilePool
         from tkjit.tuning.worker import BenchWorker, WorkerSetup
 
         for m in imports:  # the parent needs the specs too (registration, constraints)
@@ -168,7 +168,7 @@ def default_storage():
     """The journal in the user's cache: `<cache>/v1/tuned/journal.log`."""
     import optuna
 
-    from tkjit.api import cache
+    from tkjit.build import cache
 
     c = cache()
     c.ensure()

@@ -1,0 +1,170 @@
+"""Compile many variants in parallel: a pool of spawned processes that import TileLang once.
+
+Each job is `build.ensure_entry` in a worker: compiled, published into the cache, or found there.
+The tuner keeps one pool alive across its batches and studies. Workers die with their parent. A
+process that dies (a compiler segfault) breaks the pool: it is rebuilt and the batch's jobs retried
+one at a time, each job that kills its worker once more in a fresh one; only a job that kills it
+twice fails, with the worker's exit signal in its error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from tkjit import envs
+from tkjit.errors import ConfigError
+from tkjit.procs import die_with_parent, exit_status
+
+
+def default_jobs() -> int:
+    env = envs.JOBS.get()
+    if env:
+        try:
+            n = int(env.strip())
+        except ValueError:
+            n = 0
+        if not 1 <= n <= 4096:
+            raise ConfigError(f"TKJIT_JOBS={env!r} is not valid: expected a number of processes >= 1, e.g. 4")
+        return n
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+Job = tuple[str, dict, dict, str, str]  # (kernel, static shape, config, arch, config source)
+Result = tuple[str | None, str | None]  # (key, error): a key only when the entry is in the cache
+
+def _init(imports: Sequence[str], parent: int) -> None:
+    from tkjit.compiler import import_tilelang
+
+    die_with_parent(parent)
+    for m in imports:
+        importlib.import_module(m)
+    import_tilelang()  # once per process, not per job
+
+
+def _compile_one(job: Job) -> Result:
+    from tkjit.build import cache, ensure_entry
+    from tkjit.registry import get_spec
+
+    name, static, config, arch, source = job
+    try:
+        entry, key = ensure_entry(get_spec(name), static, config, arch, source)
+    except Exception as e:  # one bad config must not stop the batch
+        return None, f"{type(e).__name__}: {e}"
+    if entry.path != cache().entry_path(key):  # served from a temp dir: the disk refused it
+        why = entry.meta.get("uncached_reason", "the cache refused the entry")
+        return None, f"compiled but not cached: {why}"
+    return key, None
+
+
+def _noop() -> None:
+    return None
+
+
+def _cause(codes: Sequence[int | None]) -> str:
+    """How a broken pool's worker ended: the pool SIGTERMs the survivors, so another code is the cause."""
+    for code in sorted((c for c in codes if c), key=lambda c: c == -signal.SIGTERM):
+        return f"worker ended by {exit_status(code)}"
+    return "worker exit status unknown"
+
+
+class CompilePool:
+    def __init__(self, n_jobs: int | None = None, imports: Sequence[str] = ()) -> None:
+        self.n_jobs = max(1, n_jobs or default_jobs())
+        self.imports = tuple(imports)
+        self._ex: ProcessPoolExecutor | None = None
+        self.compiled = 0  # jobs submitted (cache hits included): tests count these
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._ex is None:
+            self._ex = ProcessPoolExecutor(
+                max_workers=self.n_jobs, mp_context=mp.get_context("spawn"),
+                initializer=_init, initargs=(self.imports, os.getpid()),
+            )
+        return self._ex
+
+    def warm(self) -> None:
+        """Start the processes now (they import TileLang in the background)."""
+        ex = self._pool()
+        for _ in range(self.n_jobs):
+            ex.submit(_noop)
+
+    def compile(self, jobs: Sequence[Job]) -> list[Result]:
+        """(key, error) per job, in order."""
+        self.compiled += len(jobs)
+        if not jobs:
+            return []
+        try:
+            return list(self._pool().map(_compile_one, jobs))
+        except BrokenProcessPool:
+            self._reset()
+        return [self._isolated(job) for job in jobs]
+
+    def _isolated(self, job: Job) -> Result:
+        """One job alone, in a fresh worker if it kills one: compilers crash now and then (a flaky
+        nvcc or ptxas); a job that kills its worker twice is reported with how the worker died."""
+        for attempt in range(2):
+            try:
+                return self._pool().submit(_compile_one, job).result()
+            except BrokenProcessPool:
+                how = self._reset()
+                if attempt:
+                    return None, f"the compiler process died twice on this config ({how})"
+        raise AssertionError("unreachable")
+
+    def compile_iter(self, jobs: Sequence[Job]):
+        """Yield (key, error) per job, in order, each as soon as it is done: the caller benchmarks
+        early results while the rest compile. A broken pool falls back to `compile` for the rest."""
+        self.compiled += len(jobs)
+        try:
+            futures = [self._pool().submit(_compile_one, j) for j in jobs]
+        except BrokenProcessPool:
+            self._reset()
+            futures = []
+        for i, f in enumerate(futures):
+            try:
+                res = f.result()
+            except BrokenProcessPool:
+                self._reset()
+                self.compiled -= len(jobs) - i
+                yield from self.compile(jobs[i:])
+                return
+            yield res
+        if not futures and jobs:
+            self.compiled -= len(jobs)
+            yield from self.compile(jobs)
+
+    def _reset(self) -> str:
+        """Drop a (broken) pool; returns how its workers ended."""
+        ex, self._ex = self._ex, None
+        if ex is None:
+            return "worker exit status unknown"
+        procs = list(getattr(ex, "_processes", {}).values())  # the stdlib keeps no public handle
+        ex.shutdown(wait=True, cancel_futures=True)
+        return _cause([p.exitcode for p in procs])
+
+    def close(self) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(wait=True, cancel_futures=True)
+        self._ex = None
+
+
+def compile_many(
+    jobs: Sequence[Job], n_jobs: int | None = None, imports: Sequence[str] = ()
+) -> list[Result]:
+    """Compile and publish (name, static_shape, config, arch, config_source) variants in parallel.
+
+    Returns (key, error) per job, in order; a variant that compiled but could not be cached (a
+    read-only or full disk) is an error. Specs are looked up by name in the workers, so they must be
+    importable there (built-in, registered through a `tkjit.specs` entry point, or in `imports`).
+    """
+    pool = CompilePool(min(n_jobs or default_jobs(), max(1, len(jobs))), imports)
+    try:
+        return pool.compile(jobs)
+    finally:
+        pool.close()
