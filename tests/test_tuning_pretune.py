@@ -6,9 +6,11 @@ from pathlib import Path
 import tkjit
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
-import pretune  # noqa: E402
+from tool_loader import load_tool  # noqa: E402
+
+pretune = load_tool("pretune")
 
 
 def test_expand_products_and_defaults():

@@ -10,6 +10,10 @@ import pytest
 from tkjit.tuning import Space, config_id, tune
 from tkjit.tuning.fakes import TableEvaluator, fake_spec, synthetic_table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+
+from tool_loader import load_tool  # noqa: E402
+
 SPACE = {"block": (32, 64, 128, 256), "threads": (32, 64, 128), "unroll": (False, True)}
 
 
@@ -134,8 +138,7 @@ def test_space_encoding_roundtrip(spec):
 
 
 def test_sampler_reaches_exhaustive_best_with_30pct_of_trials():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import sampler_eval
+    sampler_eval = load_tool("sampler_eval")
 
     spec = fake_spec(sampler_eval.SYNTHETIC_SPACE, constraint=sampler_eval.synthetic_constraint)
     table = synthetic_table(sampler_eval.SYNTHETIC_SPACE, seed=1)
