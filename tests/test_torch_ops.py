@@ -410,3 +410,37 @@ def test_real_kernels_match_their_references():
     for dtype, batched in ((None, False), (torch.float16, False), (None, True), (torch.float16, True)):
         _, (t,) = _inputs("transpose", 37, dtype=dtype, batched=batched)
         assert _same(tkjit.ops.transpose(t), t.transpose(-1, -2).contiguous())
+
+
+def test_eager_calls_skip_the_dispatcher_and_traced_ones_do_not(reference_kernels):
+    """Plain eager calls of tkjit.ops run the op's implementation directly (no dispatcher host cost);
+    a gradient or a fake tensor takes the custom op. Either way the result is the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(9, 4, 4)
+    want = torch.ops.tkjit.sinkhorn_fwd(x)
+    with Seen() as seen:
+        got = tkjit.ops.sinkhorn_fwd(x)
+        tkjit.ops.transpose(torch.randn(5, 8))
+        tkjit.ops.topk_gate(torch.randn(5, 64), 4)
+    assert not [o for o in seen.ops if o.startswith("tkjit.")]
+    assert _same(got, want)
+    xg = x.clone().requires_grad_()
+    with Seen() as seen:
+        y = tkjit.ops.sinkhorn_fwd(xg)
+    assert "tkjit.sinkhorn_fwd.default" in seen.ops and y.grad_fn is not None
+    assert _same(y.detach(), want)
+    with torch.no_grad(), Seen() as seen:
+        tkjit.ops.sinkhorn_fwd(xg)
+    assert not [o for o in seen.ops if o.startswith("tkjit.")]
+    out = tkjit.ops.transpose(torch.empty(5, 8, device="meta"))  # meta: the fake implementation answers
+    assert out.shape == (8, 5) and out.is_meta

@@ -1,9 +1,11 @@
 """Convenience forms that infer the shape from tensors: `tkjit.ops.sinkhorn_fwd(x)` etc.
 
-Each function calls its torch custom op (`torch.ops.tkjit.*`, registered by importing this module;
+Each function is its torch custom op (`torch.ops.tkjit.*`, registered by importing this module;
 see tkjit/torch_ops.py), whose implementation goes through `tkjit.get` (memoised: ~1-2 us on a
-hit), so it serves the tuned config for the tensor's GPU and size bucket. Being custom ops, they
-trace under `torch.compile(fullgraph=True)` and record into CUDA graphs. `config` (a dict) pins
+hit), so it serves the tuned config for the tensor's GPU and size bucket. Under torch.compile,
+with FakeTensor/meta inputs or when a gradient is wanted, the call goes through the custom op
+(traced with no graph break, autograd registered); in plain eager calls the op's implementation
+runs directly, without the dispatcher's host cost. Both record into CUDA graphs. `config` (a dict) pins
 a kernel config instead.
 """
 
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from tkjit.torch_ops import encode_config  # importing tkjit.torch_ops registers torch.ops.tkjit.*
+from tkjit import torch_ops  # importing it registers torch.ops.tkjit.*
+from tkjit.torch_ops import encode_config
 
 _ops = torch.ops.tkjit
 _sinkhorn_fwd = _ops.sinkhorn_fwd.default
@@ -20,17 +23,36 @@ _topk_gate = _ops.topk_gate.default
 _per_token_cast = _ops.per_token_cast.default
 _per_token_cast_colmajor = _ops.per_token_cast_colmajor.default
 _transpose = _ops.transpose.default
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+def _eager(*tensors: torch.Tensor) -> bool:
+    """True when a call needs neither the dispatcher nor autograd: plain tensors, not traced, no
+    gradient wanted. Then the op's implementation runs directly (the same code the custom op runs)
+    and the dispatcher's host cost is saved; anything else (torch.compile, FakeTensor or meta
+    tensors, subclasses, inputs that require grad) goes through `torch.ops.tkjit`."""
+    if _is_compiling():
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.is_meta or (t.requires_grad and _grad_enabled()):
+            return False
+    return True
 
 
 def sinkhorn_fwd(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6, *, config=None) -> torch.Tensor:
     """(num_tokens, n, n) float32 -> Sinkhorn-normalised, TileKernels semantics. Differentiable
     (the gradient runs sinkhorn_bwd); `sinkhorn` takes any (..., n, n)."""
+    if _eager(x):
+        return torch_ops.sinkhorn_fwd_impl(x, repeat, eps, encode_config(config))
     return _sinkhorn_fwd(x, repeat, eps, encode_config(config))
 
 
 def sinkhorn_bwd(grad_out: torch.Tensor, x: torch.Tensor, repeat: int = 10, eps: float = 1e-6, *,
                  config=None) -> torch.Tensor:
     """dL/dx of sinkhorn_fwd(x, repeat, eps) given dL/dy, both (num_tokens, n, n) float32."""
+    if _eager(grad_out, x):
+        return torch_ops.sinkhorn_bwd_impl(grad_out, x, repeat, eps, encode_config(config))
     return _sinkhorn_bwd(grad_out, x, repeat, eps, encode_config(config))
 
 
@@ -43,6 +65,8 @@ def sinkhorn(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tens
 
 def topk_gate(scores: torch.Tensor, k: int, *, config=None) -> torch.Tensor:
     """(num_tokens, num_experts) float32 -> int64 (num_tokens, k) indices, best first, ties to lower index."""
+    if _eager(scores):
+        return torch_ops.topk_gate_impl(scores, k, encode_config(config))
     return _topk_gate(scores, k, encode_config(config))
 
 
@@ -56,12 +80,17 @@ def per_token_cast(
     buffer (strides (1, align(num_tokens, 4)); padding holds 0), the layout DeepGEMM consumes and
     TileKernels' `use_tma_aligned_col_major_sf` returns.
     """
+    eager = _eager(x)
     if not col_major_scales:
-        return _per_token_cast(x, group, round_scale, encode_config(config))
-    q, storage = _per_token_cast_colmajor(x, group, round_scale, encode_config(config))
+        op = torch_ops.per_token_cast_impl if eager else _per_token_cast
+        return op(x, group, round_scale, encode_config(config))
+    op = torch_ops.per_token_cast_colmajor_impl if eager else _per_token_cast_colmajor
+    q, storage = op(x, group, round_scale, encode_config(config))
     return q, storage[:, : x.shape[0]].T
 
 
 def transpose(x: torch.Tensor, *, config=None) -> torch.Tensor:
     """(rows, cols) -> (cols, rows), or (batch, rows, cols) -> (batch, cols, rows), bit-exact."""
+    if _eager(x):
+        return torch_ops.transpose_impl(x, encode_config(config))
     return _transpose(x, encode_config(config))

@@ -13,6 +13,10 @@ shapes, dtypes and strides from the inputs, so torch.compile traces the ops with
 (and FakeTensor inputs never reach a launcher). `config` is a kernel config as the text of a dict,
 e.g. "{'layout': 'thread', ...}" (`encode_config` writes it); None takes the tuned or default one.
 
+Each op's implementation is also a plain function (`<op>_impl`): `tkjit.ops` calls it directly
+in eager code that needs neither tracing nor autograd, which skips the dispatcher's ~20 us of
+host time per call.
+
 Custom ops may not return views, so the column-major scales come back as their padded storage
 (num_groups, align(num_tokens, 4)); `tkjit.ops.per_token_cast(..., col_major_scales=True)` returns
 the (num_tokens, num_groups) view of it.
@@ -88,16 +92,18 @@ def _fake_check(name: str, shape: dict, *tensors: torch.Tensor) -> None:
 
 # -- sinkhorn ----------------------------------------------------------------------------------------
 
-@torch.library.custom_op(
-    "tkjit::sinkhorn_fwd",
-    mutates_args=(),
-    schema="(Tensor x, int repeat=10, float eps=1e-06, str? config=None, str? bwd_config=None) -> Tensor",
-)
-def sinkhorn_fwd(x, repeat=10, eps=1e-6, config=None, bwd_config=None):
+def sinkhorn_fwd_impl(x, repeat=10, eps=1e-6, config=None, bwd_config=None):
     """(num_tokens, n, n) float32 -> Sinkhorn-normalised; its gradient runs sinkhorn_bwd (config bwd_config)."""
     _need(x, (3,), "sinkhorn_fwd")
     shape = {"num_tokens": max(1, x.shape[0]), "n": x.shape[1], "repeat": repeat, "eps": eps}
     return get("sinkhorn_fwd", shape, arch=_arch_of(x), config=_config(config))(x)
+
+
+sinkhorn_fwd = torch.library.custom_op(
+    "tkjit::sinkhorn_fwd",
+    mutates_args=(),
+    schema="(Tensor x, int repeat=10, float eps=1e-06, str? config=None, str? bwd_config=None) -> Tensor",
+)(sinkhorn_fwd_impl)
 
 
 @sinkhorn_fwd.register_fake
@@ -107,16 +113,18 @@ def _(x, repeat=10, eps=1e-6, config=None, bwd_config=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op(
-    "tkjit::sinkhorn_bwd",
-    mutates_args=(),
-    schema="(Tensor grad_out, Tensor x, int repeat=10, float eps=1e-06, str? config=None) -> Tensor",
-)
-def sinkhorn_bwd(grad_out, x, repeat=10, eps=1e-6, config=None):
+def sinkhorn_bwd_impl(grad_out, x, repeat=10, eps=1e-6, config=None):
     """dL/dx of sinkhorn_fwd(x) given dL/dy = grad_out, both (num_tokens, n, n) float32."""
     _need(x, (3,), "sinkhorn_bwd")
     shape = {"num_tokens": max(1, x.shape[0]), "n": x.shape[1], "repeat": repeat, "eps": eps}
     return get("sinkhorn_bwd", shape, arch=_arch_of(x), config=_config(config))(grad_out, x)
+
+
+sinkhorn_bwd = torch.library.custom_op(
+    "tkjit::sinkhorn_bwd",
+    mutates_args=(),
+    schema="(Tensor grad_out, Tensor x, int repeat=10, float eps=1e-06, str? config=None) -> Tensor",
+)(sinkhorn_bwd_impl)
 
 
 @sinkhorn_bwd.register_fake
@@ -154,14 +162,16 @@ sinkhorn_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, in
 
 # -- topk_gate -------------------------------------------------------------------------------------
 
-@torch.library.custom_op(
-    "tkjit::topk_gate", mutates_args=(), schema="(Tensor scores, int k, str? config=None) -> Tensor"
-)
-def topk_gate(scores, k, config=None):
+def topk_gate_impl(scores, k, config=None):
     """(num_tokens, num_experts) float32 -> int64 (num_tokens, k) expert indices, best first."""
     _need(scores, (2,), "topk_gate")
     shape = {"num_tokens": max(1, scores.shape[0]), "num_experts": scores.shape[1], "k": k}
     return get("topk_gate", shape, arch=_arch_of(scores), config=_config(config))(scores)
+
+
+topk_gate = torch.library.custom_op(
+    "tkjit::topk_gate", mutates_args=(), schema="(Tensor scores, int k, str? config=None) -> Tensor"
+)(topk_gate_impl)
 
 
 @topk_gate.register_fake
@@ -191,10 +201,14 @@ def _fake_cast(name, x, group, round_scale):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), hidden // group
 
 
-@torch.library.custom_op("tkjit::per_token_cast", mutates_args=(), schema=_CAST_SCHEMA)
-def per_token_cast(x, group=128, round_scale=False, config=None):
+def per_token_cast_impl(x, group=128, round_scale=False, config=None):
     """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales (num_tokens, hidden // group))."""
     return _cast("per_token_cast", x, group, round_scale, config)
+
+
+per_token_cast = torch.library.custom_op(
+    "tkjit::per_token_cast", mutates_args=(), schema=_CAST_SCHEMA
+)(per_token_cast_impl)
 
 
 @per_token_cast.register_fake
@@ -203,10 +217,14 @@ def _(x, group=128, round_scale=False, config=None):
     return q, x.new_empty((x.shape[0], groups), dtype=torch.float32)
 
 
-@torch.library.custom_op("tkjit::per_token_cast_colmajor", mutates_args=(), schema=_CAST_SCHEMA)
-def per_token_cast_colmajor(x, group=128, round_scale=False, config=None):
+def per_token_cast_colmajor_impl(x, group=128, round_scale=False, config=None):
     """per_token_cast with the scales' TMA-aligned column-major storage (hidden // group, align(num_tokens, 4))."""
     return _cast("per_token_cast_colmajor", x, group, round_scale, config)
+
+
+per_token_cast_colmajor = torch.library.custom_op(
+    "tkjit::per_token_cast_colmajor", mutates_args=(), schema=_CAST_SCHEMA
+)(per_token_cast_colmajor_impl)
 
 
 @per_token_cast_colmajor.register_fake
@@ -217,8 +235,7 @@ def _(x, group=128, round_scale=False, config=None):
 
 # -- transpose -------------------------------------------------------------------------------------
 
-@torch.library.custom_op("tkjit::transpose", mutates_args=(), schema="(Tensor x, str? config=None) -> Tensor")
-def transpose(x, config=None):
+def transpose_impl(x, config=None):
     """(rows, cols) -> (cols, rows), or (batch, rows, cols) -> (batch, cols, rows), bit-exact."""
     _need(x, (2, 3), "transpose")
     shape = {"rows": max(1, x.shape[-2]), "cols": x.shape[-1], "dtype": dtype_name(x.dtype)}
@@ -226,6 +243,11 @@ def transpose(x, config=None):
         shape["batch"] = max(1, x.shape[0])
         return get("batched_transpose", shape, arch=_arch_of(x), config=_config(config))(x)
     return get("transpose", shape, arch=_arch_of(x), config=_config(config))(x)
+
+
+transpose = torch.library.custom_op(
+    "tkjit::transpose", mutates_args=(), schema="(Tensor x, str? config=None) -> Tensor"
+)(transpose_impl)
 
 
 @transpose.register_fake
