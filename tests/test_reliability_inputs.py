@@ -88,7 +88,7 @@ def test_wrong_tensors(cache_dir):
         (x.half(), "dtype"),
         (torch.randn(64, 4, 5), "shape"),
         (torch.randn(64, 16), "dims"),
-        (torch.randn(64, 4, 4, device="meta"), "is on meta"),
+        (torch.randn(64, 4, 4, device="meta"), "fake/meta tensor"),
         (torch.randn(4, 4, 64).permute(2, 0, 1), "contiguous"),
         (torch.randn(64, 8, 4)[:, ::2], "contiguous"),
         (x.numpy(), "torch.Tensor"),
