@@ -332,13 +332,90 @@ def _match(allowed: Sequence, v: Any) -> Any:
 
 
 def source_hash_of(obj: Any) -> str:
-    """Hash of the source file that defines a spec: editing the spec changes its key."""
+    """Hash of the source that defines a spec: the module defining `obj` (its builder) and every
+    module of the same top-level package that it imports, directly or through one another (a
+    family's shared `_common.py`, a sibling spec). Editing any of them changes the spec's key.
+
+    Imports are read from the source, not from sys.modules, so the hash does not depend on what
+    else happens to be loaded. A module without such imports hashes as its source alone."""
     module = inspect.getmodule(obj)
     try:
         src = inspect.getsource(module) if module is not None else repr(obj)
     except (OSError, TypeError):
         src = repr(obj)
-    return hashlib.sha256(src.encode()).hexdigest()[:16]
+    h = hashlib.sha256(src.encode())
+    for name, text in _imported_sources(module, src):
+        h.update(b"\0" + name.encode() + b"\0" + text.encode())
+    return h.hexdigest()[:16]
+
+
+# An import statement at the start of a line (indented too: imports inside functions count). Read
+# from the text, not parsed (ast.parse costs milliseconds per spec module on a cold start); text that
+# only looks like an import (in a docstring) can only add a module to the hash, never drop one.
+_IMPORT_RE = re.compile(
+    r"^[ \t]*(?:from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#;]*)|import[ \t]+([^\n#;]*))", re.M
+)
+
+
+def _imported_sources(module: Any, src: str) -> list[tuple[str, str]]:
+    """(name, source) of the modules of `module`'s top-level package that `src` imports, transitively,
+    sorted by name; `module` itself excluded. Nothing for a module outside a package."""
+    import sys
+    from pathlib import Path
+
+    name = getattr(module, "__name__", "") or ""
+    root = name.partition(".")[0]
+    root_file = getattr(sys.modules.get(root), "__file__", None)
+    if "." not in name or not root_file or Path(root_file).name != "__init__.py":
+        return []
+    root_dir = Path(root_file).parent
+
+    def locate(dotted: str) -> Path | None:
+        parts = dotted.split(".")
+        if parts[0] != root or not all(p.isidentifier() for p in parts):
+            return None
+        base = root_dir.joinpath(*parts[1:])
+        for path in ((base.with_suffix(".py"),) if len(parts) > 1 else ()) + (base / "__init__.py",):
+            if path.is_file():
+                return path
+        return None
+
+    def imports(mod: str, is_package: bool, text: str) -> set[str]:
+        out: set[str] = set()
+        for dots, base, names, plain in _IMPORT_RE.findall(text):
+            if plain:  # import a.b [as c], d
+                out.update(part.split()[0] for part in plain.split(",") if part.split())
+                continue
+            if dots:  # relative: from the package holding `mod`
+                pkg = mod.split(".") if is_package else mod.split(".")[:-1]
+                if len(dots) - 1 >= len(pkg):
+                    continue
+                base = ".".join(pkg[: len(pkg) - (len(dots) - 1)] + ([base] if base else []))
+            out.add(base)  # from X import y: y is X's attribute or its submodule X.y
+            names = re.sub(r"#[^\n]*", "", names).strip("()")  # a parenthesised list may hold comments
+            out.update(f"{base}.{part.split()[0]}" for part in names.split(",") if part.split())
+        return out
+
+    own_file = getattr(module, "__file__", None)
+    seen = {name}
+    found: dict[str, str] = {}
+    todo = [(name, own_file is not None and Path(own_file).name == "__init__.py", src)]
+    while todo:
+        mod, is_package, text = todo.pop()
+        for dep in sorted(imports(mod, is_package, text)):
+            if dep in seen:
+                continue
+            seen.add(dep)
+            path = locate(dep)
+            if path is None:
+                continue
+            try:
+                dep_text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                dep_text = f"<unreadable {path}>"
+            found[dep] = dep_text
+            todo.append((dep, path.name == "__init__.py", dep_text))
+    return sorted(found.items())
 
 
 def validate(spec: KernelSpec) -> None:
