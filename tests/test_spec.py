@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+import tkjit
 from tkjit.spec import _imported_sources, source_hash_of
 
 FILES = {
@@ -109,3 +110,11 @@ def test_a_module_without_package_imports_hashes_as_its_source_alone(pkg):
     mod = importlib.import_module(f"{name}.fam.spec_d")
     assert source_hash_of(mod.build) == hashlib.sha256(inspect.getsource(mod).encode()).hexdigest()[:16]
 
+
+def test_the_mhc_specs_hash_their_shared_blocks():
+    for kernel in ("sinkhorn_fwd", "sinkhorn_bwd"):
+        spec = tkjit.get_spec(kernel)
+        module = inspect.getmodule(spec.build)
+        deps = [n for n, _ in _imported_sources(module, inspect.getsource(module))]
+        assert "kernel_specs.mhc._common" in deps
+        assert spec.source_hash == source_hash_of(spec.build)

@@ -13,13 +13,11 @@ the per-thread layouts reach because they issue no shuffles or barriers between 
 
 from __future__ import annotations
 
-import torch
-
+from kernel_specs.mhc._common import COMMON, SMEM_LIMIT, mat_bytes, mats, random_mats, reference, token_blocks
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec
 
 LAYOUTS = ("thread", "smem", "fragment")
-SMEM_LIMIT = 48 * 1024  # stay under the default dynamic shared memory cap
 
 
 def default(shape):
@@ -53,13 +51,6 @@ def constraint(shape, c):
             return "fragment layout always divides (recip would duplicate configs)"
         if bt * n * n < th:
             return "fragment smaller than the thread block"
-    return None
-
-
-def arch_constraint(arch, c, shape):
-    # TileLang's C target has no threads or fragments: only the per-thread layout lowers there.
-    if arch == "cpu" and (c["layout"] != "thread" or c["fast_math"]):
-        return "the C target runs the thread layout without fast math only"
     return None
 
 
@@ -102,14 +93,11 @@ def build(shape, c):
         return sinkhorn_fragment
 
     # Per-thread layouts: m and s are registers of the thread that owns token t.
+    load, store, load_tile, store_tile, exp_rows, row_sums = token_blocks(n, eps, recip)
+
     @T.macro
     def normalise_rows(m, s, add_eps):
-        for i in T.unroll(n):
-            s[i] = 0.0
-            for j in T.unroll(n):
-                s[i] += m[i, j]
-            if recip:
-                s[i] = 1.0 / (s[i] + eps) if add_eps else 1.0 / s[i]
+        row_sums(m, s, add_eps)
         for i in T.unroll(n):
             for j in T.unroll(n):
                 if recip:
@@ -134,13 +122,7 @@ def build(shape, c):
 
     @T.macro
     def sinkhorn_in_registers(m, s):
-        for i in T.unroll(n):
-            s[i] = m[i, 0]
-            for j in T.unroll(1, n):
-                s[i] = T.max(s[i], m[i, j])
-        for i in T.unroll(n):
-            for j in T.unroll(n):
-                m[i, j] = T.exp(m[i, j] - s[i])
+        exp_rows(m, s)
         normalise_rows(m, s, False)
         for i in T.unroll(n):
             for j in T.unroll(n):
@@ -161,13 +143,9 @@ def build(shape, c):
                 for t in T.Parallel(bt):
                     tok = bx * bt + t
                     if tok < num_tokens:
-                        for i in T.unroll(n):
-                            for j in T.vectorized(n):
-                                m[i, j] = x[tok, i, j]
+                        load(m, x, tok)
                         sinkhorn_in_registers(m, s)
-                        for i in T.unroll(n):
-                            for j in T.vectorized(n):
-                                y[tok, i, j] = m[i, j]
+                        store(y, tok, m)
 
         return sinkhorn_thread
 
@@ -181,54 +159,22 @@ def build(shape, c):
             s = T.alloc_local((n,), f32)
             T.copy(x[bx * bt, 0, 0], tile)
             for t in T.Parallel(bt):
-                for i in T.unroll(n):
-                    for j in T.unroll(n):
-                        m[i, j] = tile[t, i, j]
+                load_tile(m, tile, t)
                 sinkhorn_in_registers(m, s)
-                for i in T.unroll(n):
-                    for j in T.unroll(n):
-                        tile[t, i, j] = m[i, j]
+                store_tile(tile, t, m)
             T.copy(tile, y[bx * bt, 0, 0])
 
     return sinkhorn_smem
 
 
 def make_inputs(shape, device="cpu", seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(shape["num_tokens"], shape["n"], shape["n"], generator=g, dtype=torch.float32)
-    return (x.to(device),)
-
-
-def reference(shape, x, dtype=torch.float64):
-    """TileKernels' sinkhorn_normalize_ref, evaluated in float64 (or `dtype`) and rounded once."""
-    eps, repeat = shape["eps"], shape["repeat"]
-    y = x.to(dtype).softmax(-1) + eps
-    y = y / (y.sum(-2, keepdim=True) + eps)
-    for _ in range(repeat - 1):
-        y = y / (y.sum(-1, keepdim=True) + eps)
-        y = y / (y.sum(-2, keepdim=True) + eps)
-    return y.to(x.dtype)
-
-
-def pass_configs(c):
-    return {"tl.enable_fast_math": bool(c["fast_math"]), "tl.disable_warp_specialized": True}
-
-
-# Shared with sinkhorn_bwd, the gradient of this kernel: same shapes.
-PARAMS = (
-    Runtime("num_tokens", hi=1 << 26, doc="tokens; runtime size, tuned per power-of-two bucket"),
-    Static("n", lo=1, hi=16, default=4, doc="matrix size (mHC expansion rate)"),
-    Static("repeat", lo=1, hi=100, default=10, doc="row/column normalisation rounds"),
-    Static("eps", type=float, lo=0.0, hi=1.0, default=1e-6),
-)
+    return random_mats(shape, 1, device, seed)
 
 
 SPEC = register(
     KernelSpec(
         name="sinkhorn_fwd",
-        family="mhc",
         doc="Sinkhorn normalisation of (num_tokens, n, n) float32 mixing matrices",
-        params=PARAMS,
         space={
             "layout": LAYOUTS,
             "block_tokens": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
@@ -238,16 +184,14 @@ SPEC = register(
         },
         default=default,
         constraint=constraint,
-        arch_constraint=arch_constraint,
         build=build,
-        pass_configs=pass_configs,
-        inputs=(TensorArg("x", "float32", ("num_tokens", "n", "n")),),
-        outputs=(TensorArg("y", "float32", ("num_tokens", "n", "n")),),
+        inputs=(mats("x"),),
+        outputs=(mats("y"),),
         make_inputs=make_inputs,
         reference=reference,
-        tolerance=Tolerance(rtol=1e-5),
-        bytes_moved=lambda s: 2 * s["num_tokens"] * s["n"] * s["n"] * 4,
+        bytes_moved=lambda s: 2 * mat_bytes(s),
         flops=lambda s: s["num_tokens"] * s["n"] * s["n"] * (4 + 4 * s["repeat"]),
         examples=({"num_tokens": 4096, "n": 4}, {"num_tokens": 1 << 20, "n": 4}),
+        **COMMON,
     )
 )

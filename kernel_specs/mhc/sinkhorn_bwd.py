@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import torch
 
-from kernel_specs.mhc.sinkhorn import PARAMS, arch_constraint, pass_configs
-from kernel_specs.mhc.sinkhorn import reference as sinkhorn_reference
+from kernel_specs.mhc._common import COMMON, SMEM_LIMIT, mat_bytes, mats, random_mats, token_blocks
+from kernel_specs.mhc._common import reference as sinkhorn_reference
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, TensorArg, Tolerance
+from tkjit.spec import KernelSpec
 
 LAYOUTS = ("thread", "smem")
-SMEM_LIMIT = 48 * 1024
 
 
 def _unrolled(shape):
@@ -83,6 +82,7 @@ def build(shape, c):
     keep_p = c["keep_p"]
     num_tokens = T.dynamic("num_tokens")
     f32 = T.float32
+    load, store, load_tile, store_tile, exp_rows, row_sums = token_blocks(n, eps, recip)
 
     # -- forward recompute: P (softmax), m (running matrix), den[k, :] (step k's denominators) --
     @T.macro
@@ -107,19 +107,8 @@ def build(shape, c):
 
     @T.macro
     def forward(m, p, den, s):
-        for i in T.unroll(n):
-            s[i] = m[i, 0]
-            for j in T.unroll(1, n):
-                s[i] = T.max(s[i], m[i, j])
-        for i in T.unroll(n):
-            for j in T.unroll(n):
-                m[i, j] = T.exp(m[i, j] - s[i])
-        for i in T.unroll(n):
-            s[i] = 0.0
-            for j in T.unroll(n):
-                s[i] += m[i, j]
-            if recip:
-                s[i] = 1.0 / s[i]
+        exp_rows(m, s)
+        row_sums(m, s, False)
         for i in T.unroll(n):
             for j in T.unroll(n):
                 if keep_p:
@@ -202,17 +191,11 @@ def build(shape, c):
                 for t in T.Parallel(bt):
                     tok = bx * bt + t
                     if tok < num_tokens:
-                        for i in T.unroll(n):
-                            for j in T.vectorized(n):
-                                m[i, j] = x[tok, i, j]
+                        load(m, x, tok)
                         forward(m, p, den, s)
-                        for i in T.unroll(n):
-                            for j in T.vectorized(n):
-                                g[i, j] = grad_out[tok, i, j]
+                        load(g, grad_out, tok)
                         backward(g, m, p, den, s)
-                        for i in T.unroll(n):
-                            for j in T.vectorized(n):
-                                grad_x[tok, i, j] = g[i, j]
+                        store(grad_x, tok, g)
 
         return sinkhorn_bwd_thread
 
@@ -235,28 +218,18 @@ def build(shape, c):
             T.copy(x[bx * bt, 0, 0], xt)
             T.copy(grad_out[bx * bt, 0, 0], gt)
             for t in T.Parallel(bt):
-                for i in T.unroll(n):
-                    for j in T.unroll(n):
-                        m[i, j] = xt[t, i, j]
+                load_tile(m, xt, t)
                 forward(m, p, den, s)
-                for i in T.unroll(n):
-                    for j in T.unroll(n):
-                        g[i, j] = gt[t, i, j]
+                load_tile(g, gt, t)
                 backward(g, m, p, den, s)
-                for i in T.unroll(n):
-                    for j in T.unroll(n):
-                        gt[t, i, j] = g[i, j]
+                store_tile(gt, t, g)
             T.copy(gt, grad_x[bx * bt, 0, 0])
 
     return sinkhorn_bwd_smem
 
 
 def make_inputs(shape, device="cpu", seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    t, n = shape["num_tokens"], shape["n"]
-    grad_out = torch.randn(t, n, n, generator=g, dtype=torch.float32)
-    x = torch.randn(t, n, n, generator=g, dtype=torch.float32)
-    return grad_out.to(device), x.to(device)
+    return random_mats(shape, 2, device, seed)  # grad_out, x
 
 
 def reference(shape, grad_out, x):
@@ -271,9 +244,7 @@ def reference(shape, grad_out, x):
 SPEC = register(
     KernelSpec(
         name="sinkhorn_bwd",
-        family="mhc",
         doc="Gradient of sinkhorn_fwd: grad_x from (grad_out, x), forward recomputed in-kernel",
-        params=PARAMS,
         space={
             "layout": LAYOUTS,
             "block_tokens": (32, 64, 128, 256),
@@ -285,19 +256,14 @@ SPEC = register(
         },
         default=default,
         constraint=constraint,
-        arch_constraint=arch_constraint,
         build=build,
-        pass_configs=pass_configs,
-        inputs=(
-            TensorArg("grad_out", "float32", ("num_tokens", "n", "n")),
-            TensorArg("x", "float32", ("num_tokens", "n", "n")),
-        ),
-        outputs=(TensorArg("grad_x", "float32", ("num_tokens", "n", "n")),),
+        inputs=(mats("grad_out"), mats("x")),
+        outputs=(mats("grad_x"),),
         make_inputs=make_inputs,
         reference=reference,
-        tolerance=Tolerance(rtol=1e-5),
-        bytes_moved=lambda s: 3 * s["num_tokens"] * s["n"] * s["n"] * 4,
+        bytes_moved=lambda s: 3 * mat_bytes(s),
         flops=lambda s: s["num_tokens"] * s["n"] * s["n"] * (8 + 12 * s["repeat"]),
         examples=({"num_tokens": 4096, "n": 4}, {"num_tokens": 1 << 20, "n": 4}, {"num_tokens": 4001, "n": 4}),
+        **COMMON,
     )
 )
