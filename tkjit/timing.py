@@ -1,9 +1,20 @@
-"""GPU timing the way METHOD.md says: CUDA events, L2 flushed between runs, median of many."""
+"""Timing, the way METHOD.md says: CUDA events, L2 flushed between runs, median of many.
+
+One implementation for the benchmarks, the GPU tests and the tuner's bench worker:
+  - `time_cuda`: a fixed number of runs (benchmarks, tests);
+  - timers (`CudaEventTimer`, `PerfCounterTimer` for the C target, which runs on the host) size
+    their sample count from a time budget; the bench worker builds one from an import path
+    ("module:attr", see `load_timer`) so the spawned worker can build it and tests can inject a fake.
+Every function returns raw per-run samples in microseconds; callers take the median.
+"""
 
 from __future__ import annotations
 
+import importlib
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 L2_FLUSH_BYTES = 256 << 20  # larger than any current L2 (H200: 50 MB; B200: 126 MB)
 _flush_buf: dict = {}
@@ -23,6 +34,24 @@ def flush_l2(value: int = 1) -> None:
     buf.fill_(value)
 
 
+def _event_runs(fn: Callable[[], object], reps: int, flush: bool) -> list[float]:
+    """`reps` runs of fn, each between two CUDA events (µs), each after an L2 flush."""
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        if flush:
+            # Queued before the start event, so the launch overhead hides behind it; a different
+            # value each run, so no run sees the previous fill.
+            flush_l2(i % 127 + 1)
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
 def time_cuda(fn: Callable[[], object], *, reps: int = 50, warmup: int = 5, flush: bool = True) -> list[float]:
     """Per-run times in microseconds (warm-up excluded), each run after an L2 flush."""
     import torch
@@ -30,16 +59,7 @@ def time_cuda(fn: Callable[[], object], *, reps: int = 50, warmup: int = 5, flus
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i, (s, e) in enumerate(zip(starts, ends)):
-        if flush:
-            flush_l2(i % 127 + 1)
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    return _event_runs(fn, reps, flush)
 
 
 def median(xs: Sequence[float]) -> float:
@@ -63,3 +83,72 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     t = median(time_cuda(lambda: dst.copy_(src), reps=20, flush=False))
     return 2 * nbytes / (t * 1e-6) / 1e9
+
+
+# ----------------------------------------------------------------------------------------------
+# budgeted timers (the tuner's bench worker)
+# ----------------------------------------------------------------------------------------------
+class Timer(Protocol):
+    def measure(self, run: Callable[[], None], *, budget_s: float, context: Mapping[str, Any]) -> list[float]:
+        """Per-run times in µs of `run()`, warm-up excluded. context: kernel, config, shape, device."""
+
+
+class CudaEventTimer:
+    """`time_cuda`'s method, with the warm-up and the sample count sized from a time budget."""
+
+    def __init__(self, warmup_s: float = 0.01, min_reps: int = 10, max_reps: int = 400, flush: bool = True):
+        self.warmup_s, self.min_reps, self.max_reps, self.flush = warmup_s, min_reps, max_reps, flush
+
+    def measure(self, run: Callable[[], None], *, budget_s: float, context: Mapping[str, Any]) -> list[float]:
+        import torch
+
+        run()
+        torch.cuda.synchronize()
+        # Estimate one run (with its flush) to size the warm-up and the sample count.
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(5):
+            if self.flush:
+                flush_l2(1)
+            run()
+        e.record()
+        torch.cuda.synchronize()
+        est_s = max(s.elapsed_time(e) / 5e3, 1e-6)
+        for _ in range(int(self.warmup_s / est_s)):
+            run()
+        n = max(self.min_reps, min(self.max_reps, int(budget_s / est_s)))
+        return _event_runs(run, n, self.flush)
+
+
+class PerfCounterTimer:
+    """Wall clock around each call (the C target runs synchronously on the CPU)."""
+
+    def __init__(self, warmup: int = 2, min_reps: int = 5, max_reps: int = 200):
+        self.warmup, self.min_reps, self.max_reps = warmup, min_reps, max_reps
+
+    def measure(self, run: Callable[[], None], *, budget_s: float, context: Mapping[str, Any]) -> list[float]:
+        for _ in range(self.warmup):
+            run()
+        out: list[float] = []
+        t_end = time.perf_counter() + budget_s
+        while len(out) < self.max_reps and (len(out) < self.min_reps or time.perf_counter() < t_end):
+            t0 = time.perf_counter()
+            run()
+            out.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+
+def default_timer(device: str = "cuda", **kw: Any) -> Timer:
+    return PerfCounterTimer(**kw) if device == "cpu" else CudaEventTimer(**kw)
+
+
+def load_timer(path: str | None, device: str, kwargs: Mapping[str, Any] | None = None) -> Timer:
+    """Build the timer named by "module:attr" (a class or factory taking keyword arguments);
+    None: the default for the device."""
+    if not path:
+        return default_timer(device, **dict(kwargs or {}))
+    mod, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj(**dict(kwargs or {}))

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tkjit import timing
 from tkjit.procs import die_with_parent, exit_status
-from tkjit.tuning import timing
 
 CHECK_CAP = 1 << 21  # input elements of the fresh-seed check (runtime dims shrunk to fit)
 STUDY_SEED = 20240601  # the timing inputs of a study
