@@ -232,7 +232,7 @@ def test_use_mark_not_a_file_is_repaired(tmp_path, kind):
 
 
 def test_a_lock_dir_that_cannot_be_removed_is_a_clear_error(tmp_path, monkeypatch):
-    import tkjit.cache as c
+    import tkjit.locks as locks  # it repairs lock paths
 
     cache, (k,) = _built(tmp_path)
     lk = cache.base / "locks" / f"{k}.lock"
@@ -241,7 +241,7 @@ def test_a_lock_dir_that_cannot_be_removed_is_a_clear_error(tmp_path, monkeypatc
     def refuse(path, *a, **kw):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(c.shutil, "rmtree", refuse)
+    monkeypatch.setattr(locks.shutil, "rmtree", refuse)
     with pytest.raises(tkjit.CacheError) as ei:
         with cache.lock(k):
             pass

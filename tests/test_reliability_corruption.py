@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from reliability import counted, finish, key, spawn  # noqa: E402
 
-from tkjit.cache import MANIFEST, Cache, CorruptEntry, manifest_digest, sha256_file  # noqa: E402
+from tkjit.cache import MANIFEST, Cache, CorruptEntry, manifest_digest  # noqa: E402
+from tkjit.fs import sha256_file  # noqa: E402
 
 ELF = Path(_ctypes.__file__).read_bytes()  # a real shared object for this machine
 META = {"kernel": "fake", "arch": "cpu", "shape": {"n": 4}, "config": {"b": 64}, "toolchain": {"tilelang": "1"},

@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from reliability import fake_build, key, meta_for  # noqa: E402
 
-from tkjit.cache import Cache, check_ancestors  # noqa: E402
+from tkjit.cache import Cache  # noqa: E402
 from tkjit.errors import CacheError, SpecError, TkjitError  # noqa: E402
+from tkjit.fs import check_ancestors  # noqa: E402
 
 NOBODY = 65534
 REPO = Path(__file__).resolve().parents[1]

@@ -11,8 +11,9 @@ import time
 import warnings
 from pathlib import Path
 
-from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed, _private_tempdir
+from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed
 from tkjit.errors import CacheError
+from tkjit.fs import private_tempdir
 from tkjit.key import key_material, key_of
 from tkjit.spec import KernelSpec
 
@@ -104,7 +105,7 @@ def _warn_unwritable(err: OSError) -> None:
 def _build_in_memory(key: str, meta: dict, build, err: OSError) -> Entry:
     """Read-only or full cache disk: still serve the kernel, from a private temp dir, once warned."""
     _warn_unwritable(err)
-    tmp = _private_tempdir()
+    tmp = private_tempdir()
     try:
         extra = build(tmp)
     except BaseException:

@@ -1,6 +1,21 @@
-"""The on-disk cache: private dirs, per-key locks, atomic publish, verified reads, LRU size cap.
+"""The cache store: atomic publish, verified reads, quarantine, use marks, LRU size cap.
 
-Layout under the root (one version dir, so a new layout never reads an old one):
+`Store` is what the rest of tkjit needs from a cache of built kernels, by key:
+
+    lookup(key, expect)                     the verified entry, or None (a corrupt one is moved aside)
+    get_or_build(key, meta, build, expect)  the verified entry, built and published at most once
+                                            across processes when absent
+    entry_path(key)                         where the entry's files are (a local dir the loader
+                                            dlopens from)
+    pin(key), touch(key)                    mark in use by this process (eviction skips it); record
+                                            a use (the LRU clock)
+    entries(), remove(key), prune(max_bytes), clear()   `tkjit list`, `rm`, `prune`, `clear`
+
+`Cache` implements it on a private local dir. Another backend (a read-only shared dir, an object
+store mirrored to a local dir) implements the same methods with the same guarantees: whatever
+lookup/get_or_build return has been verified as below, so callers never check again.
+
+Layout of `Cache` under the root (one version dir, so a new layout never reads an old one):
 
     v1/entries/<key>/        a published entry: kernel.so, kernel source, manifest.json
     v1/entries/<key>.used    mtime = last use (LRU); a process that uses the entry holds a shared
@@ -17,27 +32,25 @@ root are created 0700, whatever the umask), links are refused, and before anythi
 manifest's structure and types are checked (`check_manifest`), its checksum (`meta_sha256`, over
 key, files and meta) is recomputed, every file is checked against the manifest's size and sha256,
 and the meta against what was asked for (kernel, shape, config, arch, toolchain). Nothing read
-from disk is unpickled or evaluated: manifests are JSON.
+from disk is unpickled or evaluated: manifests are JSON. The checks on paths and files are in
+`tkjit.fs`.
 
 Damaged contents never hang or crash a command: a file's kind is checked (lstat) before it is
 opened, and it is opened non-blocking, so a FIFO or device where a manifest belongs makes the
 entry corrupt rather than blocking `tkjit list` forever. A dir, FIFO, socket or device where a
 lock file or use mark belongs is removed and replaced (those dirs are private to us).
 
-Locks are `fcntl.flock` on files that are only ever unlinked by a holder of the lock; a waiter
-re-checks after acquiring that the file it locked is still the one at the path.
+Build locks and use marks follow the one lock scheme of `tkjit.locks` (flock on files only ever
+unlinked by a holder of the lock; a waiter re-checks the inode it locked).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import stat
@@ -48,10 +61,26 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from tkjit import envs
-from tkjit.errors import CacheError
+from tkjit.errors import CacheError, ConfigError
+from tkjit.fs import (
+    BadFile,
+    WrongKind,
+    check_ancestors,
+    check_elf,
+    check_private,
+    fsync_dir,
+    make_parents,
+    open_private,
+    private_dir,
+    private_tempdir,
+    read_private,
+    sha256_file,
+)
+from tkjit.locks import acquire, file_lock, is_locked, open_lock_file, release, try_lock
+from tkjit.sizes import parse_size
 
 LAYOUT = "v1"
 MANIFEST = "manifest.json"
@@ -69,7 +98,6 @@ _UNSEALED = ("meta_sha256", "created")
 QUARANTINE_KEEP = 16
 # Meta fields that define the binary: a manifest whose meta disagrees is for another variant.
 KEY_FIELDS = ("kernel", "shape", "config", "arch", "toolchain", "spec_source")
-_ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183, "ppc64le": 21, "s390x": 22}
 DISK_ERRNOS = frozenset(
     {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EMLINK}
 )
@@ -92,206 +120,13 @@ class PublishFailed(OSError):
 
 
 def cache_root() -> Path:
+    """The cache's root dir: TKJIT_CACHE_DIR, else the platform's per-user cache dir."""
     env = envs.CACHE_DIR.get()
     if env:
         return Path(env).expanduser().absolute()
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("tkjit", appauthor=False))
-
-
-def check_private(path: Path, *, is_dir: bool) -> None:
-    """Refuse a path another user owns or can write: it could plant code we would dlopen."""
-    st = os.lstat(path)  # FileNotFoundError propagates: callers treat it as "absent"
-    _check_stat(path, st, is_dir)
-
-
-class _WrongKind(CacheError):
-    """A dir where a file belongs, or a FIFO, socket or device where either belongs (not a link)."""
-
-
-def _link_error(path: Path | str) -> CacheError:
-    return CacheError(f"{path} is a symbolic link; the tkjit cache refuses links (remove it: `rm {path}`)")
-
-
-def _check_stat(path: Path | str, st: os.stat_result, is_dir: bool) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        raise _link_error(path)
-    if is_dir != stat.S_ISDIR(st.st_mode) or not (is_dir or stat.S_ISREG(st.st_mode)):
-        raise _WrongKind(
-            f"{path} should be a {'directory' if is_dir else 'regular file'}, not a {_kind(st.st_mode)}; "
-            f"remove it: `rm -r {path}`"
-        )
-    if st.st_uid != os.getuid():
-        raise CacheError(
-            f"{path} is owned by uid {st.st_uid}, not you (uid {os.getuid()}); the tkjit cache "
-            f"must be private: use your own TKJIT_CACHE_DIR or `chown -R {os.getuid()} {path}`"
-        )
-    if st.st_mode & 0o022:
-        raise CacheError(
-            f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-            f"fix with `chmod go-w {path}`"
-        )
-
-
-def check_ancestors(path: Path) -> None:
-    """Like ssh's StrictModes: a parent another user could rename our root out of is refused.
-
-    Each existing parent must be owned by us or root, and writable by group/others only with the
-    sticky bit (like /tmp).
-    """
-    for parent in Path(path).parents:
-        try:
-            st = os.stat(parent)
-        except FileNotFoundError:
-            continue
-        if st.st_uid not in (0, os.getuid()):
-            raise CacheError(
-                f"the cache dir {path} is inside {parent}, owned by uid {st.st_uid}: that user could "
-                "replace the cache; use a TKJIT_CACHE_DIR under a dir owned by you or root"
-            )
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise CacheError(
-                f"the cache dir {path} is inside {parent}, writable by group or others without the "
-                f"sticky bit (mode {stat.S_IMODE(st.st_mode):o}): fix with `chmod go-w {parent}` or "
-                "use another TKJIT_CACHE_DIR"
-            )
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISLNK, "symbolic link"), (stat.S_ISREG, "regular file")):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def _mkdir_private(path: Path) -> bool:
-    """mkdir 0700 whatever the umask (which may leave it 0500, say); False if it already existed."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return False
-    os.chmod(path, 0o700)
-    return True
-
-
-def _private_dir(path: Path) -> Path:
-    _mkdir_private(path)
-    check_private(path, is_dir=True)
-    return path
-
-
-def _make_parents(path: Path) -> None:
-    """Create the missing dirs above the cache root, private (0700) whatever the umask.
-
-    os.makedirs would make them 0775 under umask 002, and check_ancestors then refuses the cache
-    on every later run. Existing parents are left as they are (check_ancestors vets them).
-    """
-    missing = []
-    for parent in path.parents:
-        if os.path.lexists(parent):
-            break
-        missing.append(parent)
-    for parent in reversed(missing):
-        _mkdir_private(parent)  # FileExistsError-safe: a concurrent run may create it too
-
-
-def _open_private(path: Path, flags: int = os.O_RDONLY) -> int:
-    """Open a regular file of ours without following links; the fd is checked, not the path.
-
-    The kind is checked before opening: opening a FIFO blocks until a writer comes (forever), and
-    opening a device can have side effects. O_NONBLOCK covers a swap between the check and the
-    open; it is cleared once the fd is known to be a regular file.
-    """
-    try:
-        _check_stat(path, os.lstat(path), False)
-    except FileNotFoundError:
-        if not flags & os.O_CREAT:
-            raise
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a link swapped in since the check
-            raise _link_error(path) from None
-        if e.errno in (errno.EISDIR, errno.ENXIO):  # a dir, or a FIFO without a reader, swapped in
-            raise _WrongKind(f"{path} should be a regular file; remove it: `rm -r {path}`") from None
-        raise
-    try:
-        _check_stat(path, os.fstat(fd), False)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _remove_wrong_kind(path: Path) -> None:
-    """Remove a dir, FIFO, socket or device where a lock file or use mark belongs.
-
-    Those live in our private dirs, so such a thing is damage, not anyone's data. Repairs are
-    serialised by a flock on the parent dir and re-check the path under it: one repairer never
-    removes the regular file that another process created (and may hold locked) after an
-    earlier repair. Links are not removed here: they stay refused with an error.
-    """
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(dfd, fcntl.LOCK_EX)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-            return
-        try:
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise CacheError(
-                f"{path} should be a regular file, not a {_kind(st.st_mode)}, and cannot be removed "
-                f"({e.strerror}); remove it: `rm -r {path}`"
-            ) from None
-    finally:
-        os.close(dfd)
-
-
-def _open_mark(path: Path, flags: int) -> int:
-    """_open_private for a lock file or use mark: a dir or FIFO in its place is removed, then one retry."""
-    try:
-        return _open_private(path, flags)
-    except _WrongKind:
-        _remove_wrong_kind(path)
-    return _open_private(path, flags)
-
-
-def _read_private(path: Path, limit: int) -> bytes:
-    fd = _open_private(path)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise CorruptEntry(f"{path.name} is larger than {limit} bytes")
-    return data
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with os.fdopen(_open_private(path), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _json_norm(v: Any) -> Any:
@@ -358,110 +193,41 @@ def _parse_manifest(raw: bytes, key: str) -> tuple[dict[str, Any], dict[str, dic
     return manifest, files, meta
 
 
-def _check_elf(path: Path) -> None:
-    """A library must be an ELF shared object for this machine: catches artifacts from elsewhere."""
-    with os.fdopen(_open_private(path), "rb") as f:
-        head = f.read(20)
-    if len(head) < 20 or head[:4] != b"\x7fELF":
-        raise CorruptEntry(f"{path.name} is not an ELF shared library")
-    want = _ELF_MACHINE.get(platform.machine().lower())
-    little = head[5] == 1
-    machine = int.from_bytes(head[18:20], "little" if little else "big")
-    etype = int.from_bytes(head[16:18], "little" if little else "big")
-    if etype != 3:  # ET_DYN
-        raise CorruptEntry(f"{path.name} is an ELF of type {etype}, not a shared library")
-    if want is not None and machine != want:
-        raise CorruptEntry(f"{path.name} is built for ELF machine {machine}, this host is {platform.machine()}")
-
-
-# -- flock helpers -----------------------------------------------------------------------------
-
-
-def _poll_flock(fd: int, op: int, timeout: float | None) -> bool:
-    """flock with a timeout (None: forever, 0: one try); True when acquired."""
-    if timeout is None:
-        fcntl.flock(fd, op)
-        return True
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            pass
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 0.05)
-
-
-def _lock_file(path: Path, op: int, timeout: float | None) -> int | None:
-    """An fd holding flock `op` on path (created 0600 if absent), or None on timeout.
-
-    A holder may unlink the file; then the inode we locked is no longer the one at the path and
-    we start over, so two processes never believe they hold "the" lock on different inodes.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        fd = _open_mark(path, os.O_RDWR | os.O_CREAT)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not _poll_flock(fd, op, left):
-            os.close(fd)
-            return None
-        try:
-            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)  # unlinked under us: lock the new file
-
-
-def _env_number(var: envs.EnvVar, *, allow_suffix: bool = False) -> float | None:
-    text = var.get()
-    if text is None:
-        return None
-    t = text.strip().lower()
-    mult = 1
-    if allow_suffix:
-        units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-        t = t.removesuffix("ib").removesuffix("b")
-        if t[-1:] in units:
-            t, mult = t[:-1], units[t[-1:]]
+def _read_manifest(path: Path) -> bytes:
     try:
-        v = float(t) * mult
-    except ValueError:
-        v = float("nan")
-    if not (v >= 0 and v != float("inf")):
-        example = "10G, 500M or a number of bytes" if allow_suffix else "a number of seconds, e.g. 900"
-        raise CacheError(f"{var.name}={text!r} is not valid: expected {example}")
-    return v
+        return read_private(path, _MAX_MANIFEST)
+    except BadFile as e:
+        raise CorruptEntry(str(e)) from None
 
 
 def lock_timeout() -> float:
-    v = _env_number(envs.LOCK_TIMEOUT)
-    return 900.0 if v is None else v
+    """TKJIT_LOCK_TIMEOUT: seconds to wait for another process's build lock (default 900)."""
+    text = envs.LOCK_TIMEOUT.get()
+    if text is None:
+        return 900.0
+    try:
+        v = float(text.strip())
+    except ValueError:
+        v = float("nan")
+    if not (v >= 0 and v != float("inf")):  # NaN fails the first test
+        raise CacheError(f"{envs.LOCK_TIMEOUT.name}={text!r} is not valid: expected a number of seconds, e.g. 900")
+    return v
 
 
 def max_bytes_from_env() -> int | None:
-    v = _env_number(envs.CACHE_MAX_BYTES, allow_suffix=True)
-    return None if v is None else int(v)
+    """TKJIT_CACHE_MAX_BYTES as bytes (`10G`, `500M`, ...), None when unset: no cap."""
+    text = envs.CACHE_MAX_BYTES.get()
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ConfigError as e:  # a CacheError, as before: the cache cannot be used with this setting
+        raise CacheError(f"{envs.CACHE_MAX_BYTES.name}={text!r} is not valid: {e}") from None
 
 
 # Entries this process uses: key path -> fd holding a shared flock on <key>.used (process lifetime).
 _PINS: dict[str, int] = {}
 _pins_lock = threading.Lock()
-_TEMP_DIRS: list[str] = []
-
-
-def _private_tempdir() -> Path:
-    d = tempfile.mkdtemp(prefix="tkjit-")
-    if not _TEMP_DIRS:
-        atexit.register(lambda: [shutil.rmtree(p, ignore_errors=True) for p in _TEMP_DIRS])
-    _TEMP_DIRS.append(d)
-    return Path(d)
 
 
 @dataclass
@@ -488,7 +254,56 @@ class Cleared:
     skipped: tuple[str, ...]
 
 
+@runtime_checkable
+class Store(Protocol):
+    """What tkjit needs from a cache of built kernels (see the module docstring); Cache is one."""
+
+    def entry_path(self, key: str) -> Path:
+        """Where the entry's files are: a local dir the loader can dlopen from."""
+        ...
+
+    def lookup(self, key: str, expect: dict[str, Any] | None = None) -> Entry | None:
+        """The verified entry for key whose meta matches expect, or None."""
+        ...
+
+    def get_or_build(
+        self,
+        key: str,
+        meta: dict[str, Any],
+        build: Callable[[Path], dict[str, Any]],
+        expect: dict[str, Any] | None = None,
+    ) -> Entry:
+        """The verified entry for key; when absent, build(dir) writes it and it is published once."""
+        ...
+
+    def pin(self, key: str) -> bool:
+        """Mark key in use by this process (eviction skips it); False if that cannot be recorded."""
+        ...
+
+    def touch(self, key: str) -> None:
+        """Record a use of key (least recently used entries are evicted first)."""
+        ...
+
+    def entries(self) -> list[dict[str, Any]]:
+        """One row per entry: its meta plus key, size, created, last_used (corrupt ones flagged)."""
+        ...
+
+    def remove(self, key: str, *, force: bool = False) -> bool:
+        """Remove one entry (one in use only with force); True if removed."""
+        ...
+
+    def prune(self, max_bytes: int) -> list[str]:
+        """Evict least recently used entries not in use down to max_bytes; the removed keys."""
+        ...
+
+    def clear(self, *, force: bool = False) -> Cleared:
+        """Remove every entry not in use (all with force)."""
+        ...
+
+
 class Cache:
+    """The Store on a private local dir (layout in the module docstring)."""
+
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root).absolute() if root is not None else cache_root()
         self._ready = False
@@ -505,11 +320,11 @@ class Cache:
         if self._ready:
             return
         check_ancestors(self.root)
-        _make_parents(self.root)
-        _private_dir(self.root)
-        _private_dir(self.base)
+        make_parents(self.root)
+        private_dir(self.root)
+        private_dir(self.base)
         for sub in ("entries", "staging", "locks", "quarantine", "tuned"):
-            _private_dir(self._dir(sub))
+            private_dir(self._dir(sub))
         self._ready = True
 
     @staticmethod
@@ -536,7 +351,7 @@ class Cache:
         path = self.entry_path(key)
         try:
             check_private(path, is_dir=True)
-        except _WrongKind:  # a file or FIFO in our private entries dir: damage, moved aside like any
+        except WrongKind:  # a file or FIFO in our private entries dir: damage, moved aside like any
             raise CorruptEntry(f"entry {key} is not a directory") from None
         ino = os.lstat(path).st_ino
         try:
@@ -553,7 +368,7 @@ class Cache:
     def _verify(self, key: str, path: Path, expect: dict[str, Any] | None) -> Entry:
         try:
             _check_kind(path / MANIFEST)
-            raw = _read_private(path / MANIFEST, _MAX_MANIFEST)
+            raw = _read_manifest(path / MANIFEST)
         except FileNotFoundError:
             raise CorruptEntry("manifest missing") from None
         manifest, files, meta = _parse_manifest(raw, key)
@@ -582,7 +397,10 @@ class Cache:
         if lib is not None:
             if lib not in files:
                 raise CorruptEntry(f"manifest's library {lib!r} is not one of its verified files")
-            _check_elf(path / lib)
+            try:
+                check_elf(path / lib)
+            except BadFile as e:
+                raise CorruptEntry(str(e)) from None
         for k, want in (expect or {}).items():
             got = meta.get(k)
             if got != _json_norm(want):
@@ -624,7 +442,7 @@ class Cache:
                 return True
             try:
                 self.ensure()
-                fd = _lock_file(Path(path), fcntl.LOCK_SH, lock_timeout())
+                fd = acquire(Path(path), shared=True, timeout=lock_timeout())
             except OSError:
                 return False
             if fd is None:
@@ -636,21 +454,14 @@ class Cache:
         with _pins_lock:
             fd = _PINS.pop(str(self._used_path(key)), None)
         if fd is not None:
-            os.close(fd)
+            release(fd)
 
     def in_use(self, key: str) -> bool:
         """True when some process (this one included) has the entry pinned."""
         p = self._used_path(key)
         if str(p) in _PINS:
             return True
-        try:
-            fd = _open_mark(p, os.O_RDWR)
-        except FileNotFoundError:
-            return False
-        try:
-            return not _poll_flock(fd, fcntl.LOCK_EX, 0)
-        finally:
-            os.close(fd)
+        return is_locked(p)
 
     def touch(self, key: str) -> None:
         """Record a use (the LRU clock): the .used file's mtime."""
@@ -660,7 +471,7 @@ class Cache:
             if fd is not None:
                 os.utime(fd)
                 return
-            fd = _open_mark(p, os.O_WRONLY | os.O_CREAT)
+            fd = open_lock_file(p, os.O_WRONLY | os.O_CREAT)
             try:
                 os.utime(fd)
             finally:
@@ -672,24 +483,12 @@ class Cache:
         """The key's build lock; CacheError after TKJIT_LOCK_TIMEOUT seconds."""
         self.ensure()
         timeout = lock_timeout() if timeout is None else timeout
-        path = self._lock_path(key)
-        fd = _lock_file(path, fcntl.LOCK_EX, timeout)
-        if fd is None:
-            raise CacheError(
-                f"timed out after {timeout:g}s waiting for the lock {path}: another process is "
-                "compiling or removing this kernel (raise TKJIT_LOCK_TIMEOUT to wait longer; a lock "
-                "of a process that died is released by the OS, so a stuck lock means a live process)"
-            )
-        try:
+        hint = (
+            ": another process is compiling or removing this kernel (raise TKJIT_LOCK_TIMEOUT to wait "
+            "longer; a lock of a process that died is released by the OS, so a stuck lock means a live process)"
+        )
+        with file_lock(self._lock_path(key), timeout=timeout, hint=hint):
             yield
-        finally:
-            os.close(fd)
-
-    def _try_lock(self, path: Path, op: int = fcntl.LOCK_EX) -> int | None:
-        try:
-            return _lock_file(path, op, 0)
-        except (OSError, CacheError):
-            return None
 
     def quarantine(self, key: str, reason: str) -> None:
         """Move an entry aside (call under the key's lock); the newest few are kept."""
@@ -764,7 +563,7 @@ class Cache:
 
     def _rescue(self, key: str, staging: Path, meta: dict[str, Any]) -> Entry | None:
         try:
-            tmp = _private_tempdir()
+            tmp = private_tempdir()
             for p in staging.iterdir():
                 if p.name != MANIFEST:
                     shutil.copyfile(p, tmp / p.name)
@@ -780,7 +579,7 @@ class Cache:
             if not _FILE_RE.fullmatch(p.name) or not stat.S_ISREG(p.lstat().st_mode):
                 raise CacheError(f"the build wrote {p.name!r}: an entry holds plain files with simple names only")
             os.chmod(p, 0o600)
-            with os.fdopen(_open_private(p), "rb") as f:
+            with os.fdopen(open_private(p), "rb") as f:
                 os.fsync(f.fileno())
             files[p.name] = {"size": p.lstat().st_size, "sha256": sha256_file(p)}
         if not files:
@@ -796,12 +595,12 @@ class Cache:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(staging, 0o700)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         dst = self.entry_path(key)
         if os.path.lexists(dst):  # a leftover that failed verification under our lock
             self.quarantine(key, "replaced by a rebuild")
         os.rename(staging, dst)  # atomic: readers see nothing or the whole entry
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
         self.touch(key)
 
     def clean_staging(self) -> int:
@@ -813,7 +612,7 @@ class Cache:
             return 0
         for p in items:
             key = p.name.split(".", 1)[0]
-            fd = self._try_lock(self._lock_path(key)) if _KEY_RE.fullmatch(key) else None
+            fd = try_lock(self._lock_path(key)) if _KEY_RE.fullmatch(key) else None
             if _KEY_RE.fullmatch(key) and fd is None:
                 continue  # its builder is alive
             try:
@@ -825,7 +624,7 @@ class Cache:
                 removed += 1
             finally:
                 if fd is not None:
-                    os.close(fd)
+                    release(fd)
         return removed
 
     # -- inspection and maintenance -------------------------------------------------------
@@ -847,7 +646,7 @@ class Cache:
                                  "last_used": st.st_mtime})
                     continue
                 try:
-                    raw = _read_private(Path(p.path) / MANIFEST, _MAX_MANIFEST)
+                    raw = _read_manifest(Path(p.path) / MANIFEST)
                 except FileNotFoundError:
                     if not os.path.lexists(p.path):
                         continue  # removed while we looked
@@ -890,7 +689,7 @@ class Cache:
         if not force and str(used) in _PINS:
             return False
         timeout = lock_timeout() if wait is None else wait
-        kfd = _lock_file(self._lock_path(key), fcntl.LOCK_EX, timeout)
+        kfd = acquire(self._lock_path(key), timeout=timeout)
         if kfd is None:
             if wait == 0:
                 return False
@@ -898,7 +697,7 @@ class Cache:
         ufd = None
         try:
             if not force:
-                ufd = self._try_lock(used)
+                ufd = try_lock(used)
                 if ufd is None:
                     return False
             if not os.path.lexists(path):
@@ -917,8 +716,8 @@ class Cache:
             return True
         finally:
             if ufd is not None:
-                os.close(ufd)
-            os.close(kfd)
+                release(ufd)
+            release(kfd)
 
     def remove(self, key: str, *, force: bool = False) -> bool:
         """Remove one entry under its lock (never while another process builds it).
@@ -945,7 +744,7 @@ class Cache:
                 skipped.append(k)
         self.clean_staging()
         shutil.rmtree(self._dir("quarantine"), ignore_errors=True)
-        _private_dir(self._dir("quarantine"))
+        private_dir(self._dir("quarantine"))
         return Cleared(removed, tuple(skipped))
 
     def total_bytes(self) -> int:
@@ -964,7 +763,7 @@ class Cache:
 
     def _prune(self, max_bytes: int, *, wait: bool) -> list[str]:
         gpath = self._dir("locks") / "prune.lock"
-        gfd = _lock_file(gpath, fcntl.LOCK_EX, lock_timeout() if wait else 0)
+        gfd = acquire(gpath, timeout=lock_timeout() if wait else 0)
         if gfd is None:
             if not wait:
                 return []  # another process is pruning
@@ -982,7 +781,7 @@ class Cache:
                     total -= int(row.get("size", 0))
             self._drop_orphan_marks()
         finally:
-            os.close(gfd)
+            release(gfd)
         return removed
 
     def _drop_orphan_marks(self) -> None:
@@ -993,21 +792,21 @@ class Cache:
             key = p.name[: -len(".used")]
             if not _KEY_RE.fullmatch(key) or os.path.lexists(self.entry_path(key)) or p.path in _PINS:
                 continue
-            kfd = self._try_lock(self._lock_path(key))
+            kfd = try_lock(self._lock_path(key))
             if kfd is None:
                 continue
             try:
-                ufd = self._try_lock(Path(p.path))
+                ufd = try_lock(Path(p.path))
                 if ufd is not None:
                     try:
                         if not os.path.lexists(self.entry_path(key)):
                             os.unlink(p.path)
                     finally:
-                        os.close(ufd)
+                        release(ufd)
             except OSError:
                 pass
             finally:
-                os.close(kfd)
+                release(kfd)
 
 
 def _check_kind(path: Path) -> None:

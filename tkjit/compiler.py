@@ -29,8 +29,8 @@ from typing import Any
 
 from tkjit import envs
 from tkjit.arch import tilelang_target
-from tkjit.cache import check_private
 from tkjit.errors import CompileError, ConfigError
+from tkjit.fs import check_private
 from tkjit.loader import dynamic_args
 from tkjit.spec import KernelSpec
 
