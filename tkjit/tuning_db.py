@@ -48,6 +48,7 @@ from typing import Any, BinaryIO
 
 from tkjit import envs
 from tkjit.errors import ConfigError, TuningDBError
+from tkjit.locks import file_lock
 from tkjit.spec import KernelSpec
 
 SCHEMA = 1
@@ -458,11 +459,9 @@ def _lock_path(path: Path) -> Path:
 
 def write_entries(path: Path, entries: Iterable[Mapping[str, Any]], *, arch: str, gpu: str) -> Path:
     """Merge entries into the file at path (same kernel+shape+bucket replaced), atomically."""
-    from filelock import FileLock
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with FileLock(str(_lock_path(path)), mode=0o600):
+    with file_lock(_lock_path(path)):  # no timeout: writers hold it only to merge one small file
         merged: dict[tuple, dict] = {}
         if path.exists():
             try:
