@@ -257,54 +257,50 @@ def _dtype_of(s):
     return s["dtype"]
 
 
+# The two specs differ only in rank: the builder, the batch param, the tensors' dims, the examples.
+COMMON = dict(
+    family="transpose",
+    space=SPACE,
+    default=default,
+    constraint=constraint,
+    arch_constraint=arch_constraint,
+    pass_configs=pass_configs,
+    make_inputs=make_inputs,
+    reference=reference,
+    tolerance=Tolerance(exact=True),
+    bytes_moved=_bytes,
+)
+
 SPEC = register(
     KernelSpec(
         name="transpose",
-        family="transpose",
         doc="y = x.T for a (rows, cols) tensor of any 1/2/4/8-byte dtype, bit-exact",
         params=(_DTYPE, _COLS, _ROWS),
-        space=SPACE,
-        default=default,
-        constraint=constraint,
-        arch_constraint=arch_constraint,
         build=build,
-        pass_configs=pass_configs,
         inputs=(TensorArg("x", _dtype_of, ("rows", "cols")),),
         outputs=(TensorArg("y", _dtype_of, ("cols", "rows")),),
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=Tolerance(exact=True),
-        bytes_moved=_bytes,
         examples=(
             {"dtype": "bfloat16", "cols": 7168, "rows": 16384},
             {"dtype": "float32", "cols": 4096, "rows": 4096},
             {"dtype": "float8_e4m3fn", "cols": 7168, "rows": 8192},
             {"dtype": "bfloat16", "cols": 2112, "rows": 4001},
         ),
+        **COMMON,
     )
 )
 
 BATCHED_SPEC = register(
     KernelSpec(
         name="batched_transpose",
-        family="transpose",
         doc="y = x.transpose(1, 2) for a (batch, rows, cols) tensor of any 1/2/4/8-byte dtype, bit-exact",
         params=(_DTYPE, _COLS, _ROWS, Runtime("batch", hi=65535, doc="batch size (gridDim.y); runtime")),
-        space=SPACE,
-        default=default,
-        constraint=constraint,
-        arch_constraint=arch_constraint,
         build=build_batched,
-        pass_configs=pass_configs,
         inputs=(TensorArg("x", _dtype_of, ("batch", "rows", "cols")),),
         outputs=(TensorArg("y", _dtype_of, ("batch", "cols", "rows")),),
-        make_inputs=make_inputs,
-        reference=reference,
-        tolerance=Tolerance(exact=True),
-        bytes_moved=_bytes,
         examples=(
             {"dtype": "bfloat16", "cols": 2048, "rows": 4096, "batch": 8},
             {"dtype": "float32", "cols": 128, "rows": 4096, "batch": 64},
         ),
+        **COMMON,
     )
 )
