@@ -1,4 +1,4 @@
-"""A process that uses the cache, for the reliability tests (run as a script, killed at will).
+"""A process that uses the cache, for the cache tests (run as a script, killed at will).
 
     cache_worker.py build ROOT KEY [KEY...] --counter FILE [--sleep A B] [--pin] [--loops N]
         get_or_build each key with a fast fake builder that writes deterministic files in

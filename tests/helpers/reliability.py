@@ -1,4 +1,4 @@
-"""Shared pieces of the reliability tests: worker processes, fake builders, whole-cache checks."""
+"""Shared pieces of the cache tests (tests/test_cache_*.py): worker processes, fake builders, whole-cache checks."""
 
 from __future__ import annotations
 
