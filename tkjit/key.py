@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tkjit import envs
+from tkjit.canon import canonical_json
 from tkjit.version import ARTIFACT_FORMAT, __version__
 
 
@@ -112,5 +113,5 @@ def key_material(
 
 
 def key_of(material: dict[str, Any]) -> str:
-    blob = json.dumps(material, sort_keys=True, separators=(",", ":"))
+    blob = canonical_json(material)  # its format is pinned: every cache and tuned DB is keyed on it
     return hashlib.sha256(blob.encode()).hexdigest()[:40]

@@ -8,16 +8,16 @@ prunes it without counting it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tkjit.canon import canonical_json
 from tkjit.spec import Config, KernelSpec
 
 
 def config_id(config: Mapping[str, Any]) -> str:
     """Canonical text of a config: the identity used by the study, the DB and the records."""
-    return json.dumps(dict(config), sort_keys=True, separators=(",", ":"))
+    return canonical_json(config)
 
 
 def _ordinal(vals: Sequence) -> bool:

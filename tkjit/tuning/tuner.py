@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from tkjit.canon import canonical_json
 from tkjit.registry import get_spec
 from tkjit.spec import KernelSpec
 from tkjit.tuning.space import Space, config_id
@@ -160,7 +161,7 @@ class TuneResult:
 
 
 def study_name(spec: KernelSpec, static: Mapping, bucket: Mapping, arch: str, gpu: str) -> str:
-    body = json.dumps({"static": dict(static), "bucket": dict(bucket)}, sort_keys=True, separators=(",", ":"))
+    body = canonical_json({"static": dict(static), "bucket": dict(bucket)})
     return f"{spec.name}@{spec.source_hash}|{body}|{arch}|{gpu}"
 
 

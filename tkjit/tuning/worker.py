@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tkjit import timing
+from tkjit.canon import canonical_json
 from tkjit.procs import die_with_parent, exit_status
 
 CHECK_CAP = 1 << 21  # input elements of the fresh-seed check (runtime dims shrunk to fit)
@@ -80,7 +80,7 @@ class _Child:
         return k
 
     def _study_data(self, spec, full: dict):
-        sid = json.dumps([spec.name, full], sort_keys=True, default=str)
+        sid = canonical_json([spec.name, full], default=str)
         if self._study is None or self._study[0] != sid:
             self._study = None  # free the previous study's tensors first
             inputs = spec.make_inputs(full, device=self.device, seed=STUDY_SEED)
