@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tkjit.errors import ConfigError, ShapeError, SpecError, brief
+from tkjit.match import exact_index
 
 Shape = dict[str, Any]
 Config = dict[str, Any]
@@ -281,7 +282,7 @@ class KernelSpec:
             )
         for k, v in config.items():
             allowed = self.space[k]
-            if v not in allowed or type(v) is not type(_match(allowed, v)):
+            if exact_index(allowed, v) is None:
                 raise ConfigError(f"{self.name}: config {k}={brief(v)} not in the space; allowed: {list(allowed)}")
         cfg = {k: config[k] for k in self.space}
         reason = self.constraint(dict(shape), cfg) or (self.arch_constraint(arch, cfg, dict(shape)) if arch else None)
@@ -321,14 +322,6 @@ def _listed(items: Sequence) -> str:
     """[a, b] with each item shown briefly, at most 10 of them."""
     shown = [brief(x) for x in items[:10]] + ([f"... {len(items) - 10} more"] if len(items) > 10 else [])
     return "[" + ", ".join(shown) + "]"
-
-
-def _match(allowed: Sequence, v: Any) -> Any:
-    """The element of `allowed` equal to v (so True does not pass for 1)."""
-    for a in allowed:
-        if a == v and type(a) is type(v):
-            return a
-    return object()
 
 
 def source_hash_of(obj: Any) -> str:

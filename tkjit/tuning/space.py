@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tkjit.canon import canonical_json
+from tkjit.match import exact_index
 from tkjit.spec import Config, KernelSpec
 
 
@@ -75,10 +76,10 @@ class Space:
 
     @staticmethod
     def _index(vals: list, v: Any) -> int:
-        for i, a in enumerate(vals):
-            if a == v and type(a) is type(v):
-                return i
-        raise ValueError(f"{v!r} not in {vals}")
+        i = exact_index(vals, v)
+        if i is None:
+            raise ValueError(f"{v!r} not in {vals}")
+        return i
 
     def suggest(self, trial) -> Config:
         cfg = {}
