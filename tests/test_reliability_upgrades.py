@@ -48,7 +48,7 @@ def test_toolchain_change_changes_the_key(monkeypatch, arch, attr, new):
 
 def test_nvcc_version_matters_not_its_path(monkeypatch):
     versions = {"/usr/local/cuda/bin/nvcc": "12.8.93", "/opt/cuda/bin/nvcc": "12.8.93", "/opt/new/bin/nvcc": "13.0.1"}
-    monkeypatch.setattr(keymod, "_nvcc_version", lambda path: versions[path])
+    monkeypatch.setattr(keymod, "nvcc_version_of", lambda path: versions[path])
     keys = {}
     for path in versions:
         monkeypatch.setattr(keymod, "nvcc_path", lambda p=path: p)

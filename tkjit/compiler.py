@@ -59,18 +59,19 @@ def _cuda_home_of(nvcc: str) -> Path:
 
 
 def _check_nvcc() -> None:
-    """The nvcc TileLang will run must be the one the cache key named (its version is in the key)."""
+    """The nvcc TileLang will run must have the version the cache key records: the key names a
+    compiler by version (a copied CUDA install still hits), so that is what has to agree."""
     from tilelang.contrib.nvcc import get_nvcc_compiler
 
-    from tkjit.key import nvcc_path
+    from tkjit.key import nvcc_path, nvcc_version, nvcc_version_of
 
-    keyed = nvcc_path()
     runs = get_nvcc_compiler()
-    if keyed is None or os.path.realpath(keyed) != os.path.realpath(runs):
+    keyed, ran = nvcc_version(), nvcc_version_of(runs)
+    if keyed != ran:
         how = "TKJIT_NVCC" if envs.NVCC.get() else "CUDA_HOME or PATH"
         raise CompileError(
-            f"TileLang would compile with {runs} but the cache key names {keyed or 'no nvcc'} (from {how}); "
-            "set TKJIT_NVCC (or CUDA_HOME) before the first compile in this process"
+            f"TileLang would compile with {runs} (nvcc {ran}) but the cache key names {nvcc_path() or 'no nvcc'} "
+            f"(nvcc {keyed}, from {how}); set TKJIT_NVCC (or CUDA_HOME) before the first compile in this process"
         )
 
 

@@ -56,7 +56,8 @@ def nvcc_path() -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _nvcc_version(path: str | None) -> str:
+def nvcc_version_of(path: str | None) -> str:
+    """The version of the nvcc at path ('none' without one): what the key records of a compiler."""
     if path is None:
         return "none"
     # version.json beside bin/ answers in microseconds; `nvcc --version` takes a process start.
@@ -75,7 +76,7 @@ def _nvcc_version(path: str | None) -> str:
 
 
 def nvcc_version() -> str:
-    return _nvcc_version(nvcc_path())
+    return nvcc_version_of(nvcc_path())
 
 
 @functools.lru_cache(maxsize=1)
