@@ -6,11 +6,13 @@ kernel never wrote cannot pass; inputs are fresh random draws from the spec, nev
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tkjit.kernel import CompiledKernel, torch_dtype
+from tkjit.spec import KernelSpec
 
 
 def poisoned_outputs(kernel: CompiledKernel, sizes: dict[str, Any], device) -> list[torch.Tensor]:
@@ -30,25 +32,55 @@ def poisoned_outputs(kernel: CompiledKernel, sizes: dict[str, Any], device) -> l
     return outs
 
 
+def reference_outputs(spec: KernelSpec, full: dict[str, Any], inputs: Sequence[torch.Tensor]) -> tuple:
+    """The spec's reference outputs for `inputs`, always a tuple (computed on CPU copies of them)."""
+    ref = spec.reference(full, *[t.cpu() for t in inputs])
+    return tuple(ref) if isinstance(ref, (tuple, list)) else (ref,)
+
+
+def run_against_reference(
+    kernel: CompiledKernel,
+    full: dict[str, Any],
+    inputs: Sequence[torch.Tensor],
+    *,
+    refs: Sequence[Any] | None = None,
+    device: str | torch.device = "cuda",
+) -> tuple[list[torch.Tensor], str | None]:
+    """Run `kernel` on `inputs` into poisoned outputs and compare each output with the reference.
+
+    full: static + runtime shape. refs: the reference outputs when already computed (the tuner
+    computes them once per study), else computed here after the run. device: where the outputs go
+    when there are no inputs to follow. Returns (the outputs, kept for re-runs; None when every
+    output is within the spec's tolerance, else the first mismatch).
+    """
+    spec = kernel.spec
+    runtime = {p.name: full[p.name] for p in spec.runtime_params}
+    dev = torch.device(inputs[0].device if inputs else device)
+    outs = poisoned_outputs(kernel, runtime, dev)
+    kernel(*inputs, out=outs)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    if refs is None:
+        refs = reference_outputs(spec, full, inputs)
+    for (name, _, _), o, r in zip(spec.output_decls(full), outs, refs):
+        problem = spec.tolerance.check(name, o.cpu(), r)
+        if problem:
+            return outs, problem
+    return outs, None
+
+
 def check(
     kernel: CompiledKernel, shape: dict[str, Any], *, device: str | torch.device = "cuda", seed: int = 0
 ) -> str | None:
-    """Run `kernel` at `shape` (full: static + runtime) against the spec's reference.
+    """Run `kernel` at `shape` (full: static + runtime) on fresh random inputs against the spec's reference.
 
     Returns None when every output matches, else the first mismatch as a message.
     """
     spec = kernel.spec
     full = spec.canonical_shape(shape)
     inputs = spec.make_inputs(full, device=device, seed=seed)
-    runtime = {p.name: full[p.name] for p in spec.runtime_params}
-    outs = poisoned_outputs(kernel, runtime, inputs[0].device if inputs else device)
-    kernel(*inputs, out=outs)
-    if inputs and inputs[0].is_cuda:
-        torch.cuda.synchronize()
-    ref = spec.reference(full, *[t.cpu() for t in inputs])
-    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
-    for (name, _, _), o, r in zip(spec.output_decls(full), outs, refs):
-        problem = spec.tolerance.check(name, o.cpu(), r)
-        if problem:
-            return f"{spec.name} {kernel.config} at {runtime}: {problem}"
+    _, problem = run_against_reference(kernel, full, inputs, device=device)
+    if problem:
+        runtime = {p.name: full[p.name] for p in spec.runtime_params}
+        return f"{spec.name} {kernel.config} at {runtime}: {problem}"
     return None

@@ -80,13 +80,13 @@ class _Child:
         return k
 
     def _study_data(self, spec, full: dict):
+        from tkjit.testing import reference_outputs
+
         sid = canonical_json([spec.name, full], default=str)
         if self._study is None or self._study[0] != sid:
             self._study = None  # free the previous study's tensors first
             inputs = spec.make_inputs(full, device=self.device, seed=STUDY_SEED)
-            ref = spec.reference(full, *[t.cpu() for t in inputs])
-            refs = ref if isinstance(ref, (tuple, list)) else (ref,)
-            self._study = (sid, (inputs, refs))
+            self._study = (sid, (inputs, reference_outputs(spec, full, inputs)))
         return self._study[1]
 
     def _check_shape(self, spec, full: dict) -> dict:
@@ -126,7 +126,7 @@ class _Child:
 
     def _prepare(self, name: str, full: dict, config: dict, arch: str, seed: int | None):
         """Load and gate a candidate; returns (run closure, None) or (None, failure reply)."""
-        from tkjit.testing import check, poisoned_outputs
+        from tkjit.testing import check, run_against_reference
 
         spec = self.tkjit.get_spec(name)
         k = self._kernel(name, full, config, arch)
@@ -135,14 +135,10 @@ class _Child:
             if msg:
                 return None, {"ok": False, "kind": "wrong", "error": f"fresh inputs (seed {seed}): {msg}"}
         inputs, refs = self._study_data(spec, full)
-        runtime = {p.name: full[p.name] for p in spec.runtime_params}
-        outs = poisoned_outputs(k, runtime, self.device)
-        k(*inputs, out=outs)
-        self._sync()
-        for (oname, _, _), o, r in zip(spec.output_decls(full), outs, refs):
-            problem = spec.tolerance.check(oname, o.cpu(), r)
-            if problem:
-                return None, {"ok": False, "kind": "wrong", "error": f"timing inputs: {problem}"}
+        # The outputs stay: the timed runs write into them again.
+        outs, problem = run_against_reference(k, full, inputs, refs=refs, device=self.device)
+        if problem:
+            return None, {"ok": False, "kind": "wrong", "error": f"timing inputs: {problem}"}
 
         def run() -> None:
             k(*inputs, out=outs)

@@ -1,0 +1,70 @@
+"""tkjit.testing's comparison with the reference (used by the tests and by the tuner's gate), on
+a stand-in kernel: no compiler."""
+
+import torch
+
+from tkjit.spec import KernelSpec, Runtime, TensorArg
+from tkjit.testing import check, reference_outputs, run_against_reference
+
+
+def _spec() -> KernelSpec:
+    return KernelSpec(
+        name="double_probe", family="test", doc="", params=(Runtime("num_tokens"),),
+        space={"skip": (0, 1)}, default=lambda s: {"skip": 0},
+        constraint=lambda s, c: None, build=lambda s, c: None,
+        inputs=(TensorArg("x", "float32", ("num_tokens",)),),
+        outputs=(TensorArg("y", "float32", ("num_tokens",)), TensorArg("s", "float32", (1,))),
+        make_inputs=lambda s, device="cpu", seed=0: (
+            torch.randn(s["num_tokens"], generator=torch.Generator().manual_seed(seed)).to(device),),
+        reference=lambda s, x: [2 * x, x.sum().reshape(1)],
+        bytes_moved=lambda s: 0, examples=({"num_tokens": 8},), source_hash="x",
+    )
+
+
+class _Kernel:
+    """Stands in for a CompiledKernel: doubles x into y and sums it into s; skip=1 leaves y's last
+    element unwritten."""
+
+    def __init__(self, skip: int) -> None:
+        self.spec, self.shape, self.config = _spec(), {}, {"skip": skip}
+
+    def __call__(self, x, out):
+        y, s = out
+        n = len(x) - self.config["skip"]
+        y[:n] = 2 * x[:n]
+        s[0] = x.sum()
+
+
+def test_reference_outputs_always_a_tuple():
+    spec = _spec()
+    x = torch.ones(3)
+    refs = reference_outputs(spec, {"num_tokens": 3}, (x,))
+    assert isinstance(refs, tuple) and len(refs) == 2 and torch.equal(refs[0], 2 * x)
+    spec.reference = lambda s, x: 2 * x
+    (one,) = reference_outputs(spec, {"num_tokens": 3}, (x,))
+    assert torch.equal(one, 2 * x)
+
+
+def test_a_right_kernel_passes_and_its_outputs_come_back():
+    x = torch.arange(5.0)
+    outs, problem = run_against_reference(_Kernel(0), {"num_tokens": 5}, (x,), device="cpu")
+    assert problem is None and torch.equal(outs[0], 2 * x) and float(outs[1]) == 10.0
+
+
+def test_an_unwritten_element_is_caught_by_the_poison():
+    outs, problem = run_against_reference(_Kernel(1), {"num_tokens": 5}, (torch.arange(5.0),), device="cpu")
+    assert problem is not None and problem.startswith("y:") and "non-finite" in problem
+    assert torch.isnan(outs[0][-1])
+
+
+def test_given_references_are_used_as_they_are():
+    x = torch.arange(5.0)
+    wrong = (2 * x + 1, x.sum().reshape(1))
+    _, problem = run_against_reference(_Kernel(0), {"num_tokens": 5}, (x,), refs=wrong, device="cpu")
+    assert problem is not None and problem.startswith("y: relative error")
+
+
+def test_check_names_the_kernel_config_and_sizes():
+    assert check(_Kernel(0), {"num_tokens": 7}, device="cpu", seed=3) is None
+    msg = check(_Kernel(1), {"num_tokens": 7}, device="cpu", seed=3)
+    assert msg is not None and msg.startswith("double_probe {'skip': 1} at {'num_tokens': 7}: y: ")
