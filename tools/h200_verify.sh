@@ -4,6 +4,7 @@
 #                                  # transpose) + ncu profiles of the kernels that miss their targets
 #   tools/h200_verify.sh sampler   # exhaustive sinkhorn_bwd study (gate on every config) + TPE replay,
 #                                  # then the every-config tests of sinkhorn_bwd and transpose
+#   tools/h200_verify.sh suite     # every GPU test file but the every-config ones, then tools/hostcost.py
 # Every step has its own time limit so one slow step cannot lose the others' results.
 source .gpu/env.sh
 export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16
@@ -39,6 +40,16 @@ sampler)
   timeout 170 $PYTEST tests/gpu/test_gpu_transpose.py -k every >> "$OUT/pytest_every.txt" 2>&1
   echo "rc=$?" >> "$OUT/pytest_every.txt"
   tail -8 "$OUT/sampler_bwd.txt"; grep -E "passed|failed|rc=" "$OUT/pytest_every.txt"
+  ;;
+suite)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  for f in torch_ops sinkhorn sinkhorn_bwd topk_gate transpose per_token_cast tuning; do
+    timeout "${SUITE_TIMEOUT:-100}" $PYTEST tests/gpu/test_gpu_$f.py -k "not every" > "$OUT/pytest_$f.txt" 2>&1
+    echo "rc=$?" >> "$OUT/pytest_$f.txt"
+  done
+  timeout 60 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
+  for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 6; done
+  cat "$OUT/hostcost.txt"
   ;;
 final)  # what the two stages above left: the fixed autograd test, the rest of the files, launch floor
   timeout 60 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k autograd > "$OUT/pytest_final.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_final.txt"
