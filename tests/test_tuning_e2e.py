@@ -69,6 +69,7 @@ def test_pretune_cpu_then_fresh_process_serves_it(tmp_path):
 def test_planted_wrong_crashing_and_hanging_configs_never_win(tmp_path, monkeypatch):
     monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "helpers"))  # fakes: the spawned worker imports it
     import tkjit
 
     tkjit.reset()
@@ -77,7 +78,7 @@ def test_planted_wrong_crashing_and_hanging_configs_never_win(tmp_path, monkeypa
         ("wrong", "wrong", 64), ("segv", "segv", 64)]}
     table = {config_id(c["wrong"]): 1.0, config_id(c["segv"]): 2.0, config_id(c["hang"]): 3.0,
              config_id(c["fast_good"]): 50.0}
-    with LocalEvaluator("cpu", jobs=2, imports=["planted_specs"], timer="tkjit.tuning.fakes:FakeTimer",
+    with LocalEvaluator("cpu", jobs=2, imports=["planted_specs"], timer="fakes:FakeTimer",
                         timer_kwargs={"table": table, "hang": [config_id(c["hang"])]}, timeout_s=8) as ev:
         r = tune("planted_scale", {"n": 3000}, arch="cpu", evaluator=ev, storage=f"journal:{tmp_path}/j.log",
                  only=list(c.values()))

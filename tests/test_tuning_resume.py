@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     from tkjit.tuning import tune
-    from tkjit.tuning.fakes import TableEvaluator, fake_spec
+    from fakes import TableEvaluator, fake_spec
 
     space = {"block": (32, 64, 128, 256), "threads": (32, 64, 128), "unroll": (False, True)}
     spec = fake_spec(space, constraint=lambda s, c: "no" if c["threads"] > c["block"] else None)
@@ -40,7 +40,7 @@ def test_sigkill_then_resume(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     journal, log1, log2 = tmp_path / "j.log", tmp_path / "b1.txt", tmp_path / "b2.txt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")])}
     p = subprocess.Popen([sys.executable, str(script), str(journal), str(log1), "0.2"], env=env)
     deadline = time.time() + 60
     while time.time() < deadline:

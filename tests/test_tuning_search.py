@@ -8,10 +8,10 @@ import optuna
 import pytest
 
 from tkjit.tuning import Space, config_id, tune
-from tkjit.tuning.fakes import TableEvaluator, fake_spec, synthetic_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
+from fakes import TableEvaluator, fake_spec, synthetic_table  # noqa: E402
 from tool_loader import load_tool  # noqa: E402
 
 SPACE = {"block": (32, 64, 128, 256), "threads": (32, 64, 128), "unroll": (False, True)}

@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# tests/helpers: the table-driven evaluator and the synthetic landscapes (fakes.py), which are
+# test doubles and do not ship in the package.
+for _p in (ROOT, ROOT / "tests" / "helpers"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 SYNTHETIC_SPACE = {
     "block_m": (16, 32, 64, 128, 256),
@@ -44,8 +47,9 @@ def synthetic_constraint(shape, c):
 def evaluate(spec, shape: dict, table: dict[str, float], *, frac: float = 0.3, seeds: int = 5,
              tol: float = 0.02, arch: str = "sm_90a") -> dict[str, Any]:
     """Replay TPE on `table` (config id -> µs) with a trial budget of frac * the allowed configs."""
+    from fakes import TableEvaluator
+
     from tkjit.tuning import Space, config_id, tune
-    from tkjit.tuning.fakes import TableEvaluator
 
     space = Space(spec, spec.canonical_shape(shape), arch)
     allowed = [config_id(c) for c in space.allowed]
@@ -86,15 +90,16 @@ def main(argv: list[str] | None = None) -> int:
 
     shape: dict[str, Any] = parse_kv(filter(None, args.shape.split(",")), "shape")
     if args.synthetic:
-        from tkjit.tuning.fakes import fake_spec, synthetic_table
+        from fakes import fake_spec, synthetic_table
 
         spec = fake_spec(SYNTHETIC_SPACE, constraint=synthetic_constraint)
         table = synthetic_table(SYNTHETIC_SPACE, seed=1)
         shape = {"num_tokens": 4096}
         arch = args.arch or "sm_90a"
     else:
+        from fakes import load_table
+
         import tkjit
-        from tkjit.tuning.fakes import load_table
 
         spec = tkjit.get_spec(args.kernel)
         arch = args.arch or "sm_90a"

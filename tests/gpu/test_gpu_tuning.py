@@ -18,6 +18,7 @@ def arch(monkeypatch, tmp_path):
 
     monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.syspath_prepend(str(HERE.parent / "helpers"))  # fakes: the spawned worker imports it
     tkjit.reset()
     yield current_arch()
     tkjit.reset()
@@ -27,7 +28,7 @@ def test_illegal_address_is_survived_and_wrong_never_wins(arch, tmp_path):
     good, good2 = {"variant": "good", "block": 128}, {"variant": "good2", "block": 64}
     wrong, crash = {"variant": "wrong", "block": 64}, {"variant": "crash", "block": 128}
     table = {config_id(wrong): 0.5, config_id(crash): 0.6, config_id(good2): 5.0}
-    with LocalEvaluator(arch, imports=["planted_specs"], timer="tkjit.tuning.fakes:FakeTimer",
+    with LocalEvaluator(arch, imports=["planted_specs"], timer="fakes:FakeTimer",
                         timer_kwargs={"table": table}, timeout_s=60) as ev:
         r = tune("planted_scale", {"n": 1 << 20}, arch=arch, evaluator=ev, storage=f"journal:{tmp_path}/j.log",
                  only=[good, good2, wrong, crash])
