@@ -264,26 +264,45 @@ def tune(
         budget = n_allowed if trials is None and mode == "exhaustive" else (
             trials if trials is not None else max(20, math.ceil(0.3 * n_allowed)))
         budget = min(budget, n_allowed)
-        return _Study(spec, full, static, bucket, arch, gpu, space, evaluator, open_storage(storage), mode,
-                      budget, time_budget, batch, seed, resume, finalists, min_gain, progress).run()
+        opts = StudyOptions(mode=mode, budget=budget, time_budget=time_budget, batch=batch, seed=seed,
+                            resume=resume, finalists=finalists, min_gain=min_gain, progress=progress)
+        return _Study(spec, space, evaluator, open_storage(storage), opts,
+                      full=full, static=static, bucket=bucket, arch=arch, gpu=gpu).run()
     finally:
         if own_eval:
             evaluator.close()
 
 
+@dataclass(frozen=True)
+class StudyOptions:
+    """How one study searches and decides. `tune` fills every field from its arguments (the
+    defaults live there, once)."""
+
+    mode: str  # "exhaustive" or "tpe" ("auto" is resolved before)
+    budget: int  # distinct configs to measure, this run and resumed ones together
+    time_budget: float | None  # seconds; no new batch starts past it
+    batch: int | None  # configs compiled together; None: the evaluator's compile jobs, else 8
+    seed: int
+    resume: bool  # False: the study's stored trials are deleted first
+    finalists: int  # fastest configs re-timed (interleaved) at the end, plus the default
+    min_gain: float  # a winner must beat the default by this much (and by the noise)
+    progress: Callable[[int, int, float | None], None] | None  # (measured, budget, best µs)
+
+
 class _Study:
-    def __init__(self, spec, full, static, bucket, arch, gpu, space, evaluator, storage, mode, budget,
-                 time_budget, batch, seed, resume, finalists, min_gain, progress):
+    def __init__(self, spec: KernelSpec, space: Space, evaluator: Evaluator, storage: Any, opts: StudyOptions,
+                 *, full: dict, static: dict, bucket: dict, arch: str, gpu: str) -> None:
         import optuna
 
         self.spec, self.full, self.static, self.bucket = spec, full, static, bucket
         self.arch, self.gpu, self.space, self.ev = arch, gpu, space, evaluator
-        self.mode, self.budget, self.time_budget = mode, budget, time_budget
-        self.batch = batch or getattr(getattr(evaluator, "pool", None), "n_jobs", None) or 8
-        self.seed, self.finalists, self.min_gain, self.progress = seed, finalists, min_gain, progress
-        self.rng = random.Random(seed)
+        self.mode, self.budget, self.time_budget = opts.mode, opts.budget, opts.time_budget
+        self.batch = opts.batch or getattr(getattr(evaluator, "pool", None), "n_jobs", None) or 8
+        self.seed, self.finalists, self.min_gain = opts.seed, opts.finalists, opts.min_gain
+        self.progress = opts.progress
+        self.rng = random.Random(opts.seed)
         self.name = study_name(spec, static, bucket, arch, gpu)
-        if not resume:
+        if not opts.resume:
             try:
                 optuna.delete_study(study_name=self.name, storage=storage)
             except KeyError:
@@ -291,7 +310,8 @@ class _Study:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             sampler = optuna.samplers.TPESampler(
-                seed=seed, multivariate=True, constant_liar=True, n_startup_trials=max(8, min(16, budget // 4)),
+                seed=self.seed, multivariate=True, constant_liar=True,
+                n_startup_trials=max(8, min(16, self.budget // 4)),
             )
         self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=sampler,
                                          direction="minimize", load_if_exists=True)
