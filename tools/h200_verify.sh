@@ -19,7 +19,7 @@ tests)
   echo "rc=$?" >> "$OUT/pytest_bwd.txt"
   { for job in "sinkhorn_fwd num_tokens=4096,n=4" "topk_gate num_tokens=65536,num_experts=256,k=8" \
                "transpose rows=16384,cols=7168,dtype=bfloat16"; do
-      echo "=== $job"; timeout 40 $NCU -k "$KSEL" python tools/profile.py $job
+      echo "=== $job"; timeout 40 $NCU -k "$KSEL" python tools/ncu_profile.py $job
     done; } > "$OUT/ncu.txt" 2>&1
   timeout 50 $PYTEST -s tests/gpu/test_gpu_tuning.py > "$OUT/pytest_tuning.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_tuning.txt"
   timeout 120 $PYTEST -s tests/gpu/test_gpu_per_token_cast.py > "$OUT/pytest_per_token_cast.txt" 2>&1

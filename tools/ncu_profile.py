@@ -2,7 +2,7 @@
 """Launch one kernel a few times so Nsight Compute can profile it (GPU host).
 
     ncu --clock-control none --launch-skip 3 --launch-count 1 --set detailed \\
-        python tools/profile.py topk_gate num_tokens=65536,num_experts=256,k=8 [--config '{"lanes": 8}']
+        python tools/ncu_profile.py topk_gate num_tokens=65536,num_experts=256,k=8 [--config '{"lanes": 8}']
 
 The kernel is served by tkjit.get (tuned config unless --config is given); inputs come from the
 spec's make_inputs. The first launches are warm-up, so skip them in ncu.

@@ -1,7 +1,7 @@
 """Import a script of tools/ as a module, without putting tools/ on sys.path.
 
-tools/ holds scripts named like standard modules (profile.py): on sys.path, tools/ would shadow
-them for the rest of the test session (cProfile, imported by torch's compiler, imports `profile`).
+On sys.path, tools/ would also shadow any standard module a script is named like, for the rest of
+the test session.
 """
 
 from __future__ import annotations
