@@ -74,7 +74,7 @@ def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -
     with _lock:
         launch = _by_key.get(key)
     if launch is None:
-        tensors = [t.dims for t in (*spec.inputs, *spec.outputs)]
+        tensors = (*spec.inputs, *spec.outputs)
         loader.check_abi(entry.meta, arch, tensors, [p.name for p in spec.runtime_params])
         launch = loader.load(entry.file(entry.meta["lib"]), entry.meta)
         with _lock:

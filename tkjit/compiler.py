@@ -119,20 +119,40 @@ def _copy_artifact(src: str | os.PathLike, build_dir: Path, dst: Path) -> None:
 
 
 def _dynamic_args(prim_func) -> list[dict[str, Any]]:
-    """The C-ABI's trailing int args: each dynamic dim, with the tensor and axis it is read from."""
+    """The C-ABI's trailing int args: each dynamic dim, with the tensor and axis it is read from; then
+    each dynamic stride (a `T.StridedTensor`'s), with the tensor and the axis whose stride it is.
+    The order is the one `_c_wrapper_passes_strides` gives TileLang's C wrapper (sizes, then strides)."""
     from tvm import tirx
 
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
+    bufs = []
     for idx, p in enumerate(prim_func.params):
         buf = prim_func.buffer_map.get(p)
         if buf is None:
             raise CompileError("tkjit kernels take tensors only (compile scalars in as static params)")
+        bufs.append(buf)
         for axis, dim in enumerate(buf.shape):
             if isinstance(dim, tirx.Var) and dim.name not in seen:
                 seen.add(dim.name)
                 out.append({"name": dim.name, "arg": idx, "axis": axis})
+    for idx, buf in enumerate(bufs):
+        for axis, stride in enumerate(buf.strides or ()):
+            if isinstance(stride, tirx.Var) and stride.name not in seen:
+                seen.add(stride.name)
+                out.append({"name": stride.name, "arg": idx, "stride": axis})
     return out
+
+
+def _c_wrapper_passes_strides() -> None:
+    """TileLang's C-target wrapper gives its `call` the runtime sizes but not the runtime strides that
+    the kernel function also takes, so a `T.StridedTensor` kernel does not compile for the C target.
+    Its CUDA wrapper lists both (sizes, then strides, each in parameter order): use that list."""
+    from tilelang.jit.adapter import wrapper
+
+    cpu, cuda = wrapper.TLCPUSourceWrapper, wrapper.TLCUDASourceWrapper
+    if cpu.get_dynamic_symbolic_set is not cuda.get_dynamic_symbolic_set:
+        cpu.get_dynamic_symbolic_set = cuda.get_dynamic_symbolic_set
 
 
 def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str, out_dir: Path) -> dict[str, Any]:
@@ -140,6 +160,8 @@ def compile_to_dir(spec: KernelSpec, static_shape: dict, config: dict, arch: str
     tilelang = import_tilelang()
     if arch != "cpu":
         _check_nvcc()
+    else:
+        _c_wrapper_passes_strides()
     out_dir = Path(out_dir)
     with private_build_dir(out_dir) as build_dir:
         return _compile_in(tilelang, spec, static_shape, config, arch, out_dir, build_dir)
@@ -174,10 +196,11 @@ def _compile_in(
         lib = getattr(kernel.adapter, "libpath", None) or kernel.adapter.lib_generator.libpath
         _copy_artifact(lib, build_dir, out_dir / KERNEL_LIB)
         abi = {"loader": "ctypes", "dynamic": _dynamic_args(func)}
-        implied = dynamic_args([t.dims for t in (*spec.inputs, *spec.outputs)], [p.name for p in spec.runtime_params])
+        implied = dynamic_args((*spec.inputs, *spec.outputs), [p.name for p in spec.runtime_params])
         if abi["dynamic"] != implied:  # the loader would refuse it: say so now, naming both
-            raise CompileError(f"{spec.name}: the built function's runtime sizes {abi['dynamic']} are not "
-                               f"the spec's tensor dims {implied} (T.dynamic names must be the spec's param names)")
+            raise CompileError(f"{spec.name}: the built function's runtime sizes/strides {abi['dynamic']} are not "
+                               f"the spec's tensors' {implied} (T.dynamic names must be the spec's param names, "
+                               "and a strided TensorArg's strides tkjit.spec.stride_name(arg, axis))")
     else:
         kernel.adapter.get_exportable_executable().export_library(str(out_dir / KERNEL_LIB))
         host = kernel.adapter.get_host_source() or ""

@@ -10,6 +10,7 @@ from typing import Any
 from tkjit.errors import LaunchError, TensorError
 from tkjit.spec import Align, KernelSpec, resolve_dim
 
+_INT32_MAX = 2**31 - 1  # runtime sizes and strides are int32 kernel args
 _TORCH_DTYPES: dict[str, Any] = {}  # spec dtype name -> torch dtype
 _DTYPE_NAMES: dict[Any, str] = {}  # and back
 
@@ -67,6 +68,8 @@ class _ArgCheck:
     name: str
     dtype: Any
     dims: list[tuple[str | None, int]]  # (runtime param, multiple it is rounded up to) or (None, static size)
+    strided: bool = False  # leading strides are runtime args of the kernel (TensorArg.strided)
+    align: int = 16  # bytes: data pointer (and leading strides of a strided arg) a multiple of this
 
 
 @dataclass
@@ -96,7 +99,7 @@ class CompiledKernel:
                     dims.append((d.name, d.multiple))
                 else:
                     dims.append((None, resolve_dim(d, self.shape)))
-            return _ArgCheck(t.name, torch_dtype(dtype), dims)
+            return _ArgCheck(t.name, torch_dtype(dtype), dims, t.strided, t.align_bytes(self.shape, self.config))
 
         self._in = [plan(t) for t in self.spec.inputs]
         self._out = [plan(t) for t in self.spec.outputs]
@@ -206,11 +209,49 @@ class CompiledKernel:
             )
         if device is not None and t.device != device:
             raise TensorError(f"{self.name}: {role} {a.name} is on {t.device}, other tensors on {device}")
-        if not t.is_contiguous():
-            raise TensorError(f"{self.name}: {role} {a.name} must be contiguous (call .contiguous())")
-        if t.storage_offset() and t.data_ptr() % 16:
-            raise TensorError(f"{self.name}: {role} {a.name} is not 16-byte aligned (a sliced view?)")
+        if a.strided:
+            self._check_strided(t, a, role)
+        elif not t.is_contiguous():
+            raise TensorError(
+                f"{self.name}: {role} {a.name} must be contiguous (call .contiguous()); got strides {t.stride()} "
+                f"for shape {tuple(t.shape)}"
+            )
+        elif t.storage_offset() and t.data_ptr() % a.align:
+            raise TensorError(
+                f"{self.name}: {role} {a.name} is not {a.align}-byte aligned (a sliced view?): the kernel "
+                f"accesses it with {a.align}-byte vectors"
+            )
         return t.device
+
+    def _check_strided(self, t, a: _ArgCheck, role: str) -> None:
+        """A strided arg: last axis contiguous, every other axis (of more than one element) a stride of at
+        least a row (rows do not overlap) that the kernel's int32 stride arg holds, and every row starting
+        on the kernel's vector width."""
+        st, shape = t.stride(), t.shape
+        cols = shape[-1]
+        for axis in range(len(st) - 1):
+            if shape[axis] > 1 and not cols <= st[axis] <= _INT32_MAX:
+                break
+        else:
+            axis = None
+        if axis is not None or (st[-1] != 1 and cols != 1):
+            lead = ", ".join([f">= {cols}"] * (len(st) - 1))
+            raise TensorError(
+                f"{self.name}: {role} {a.name} must have a contiguous last axis and non-overlapping rows: "
+                f"expected strides ({lead}, 1) (at most {_INT32_MAX}), got {st} for shape {tuple(shape)} "
+                "(call .contiguous())"
+            )
+        align = a.align
+        if align > 1 and t.numel():
+            eb = t.element_size()
+            if t.data_ptr() % align or any(s * eb % align for s, n in zip(st[:-1], shape) if n > 1):
+                raise TensorError(
+                    f"{self.name}: {role} {a.name} is a view whose rows are not {align}-byte aligned: the kernel "
+                    f"(config {self.config}) reads it with {align}-byte vectors, so its start and its leading "
+                    f"strides must be multiples of {align} bytes ({align // eb} elements); got address % {align} "
+                    f"= {t.data_ptr() % align} and strides {st} ({eb}-byte elements). Slice at an aligned "
+                    "offset, use a wider buffer whose rows are aligned, or call .contiguous()"
+                )
 
     def _fake_error(self, t, a: _ArgCheck, role: str) -> TensorError:
         return TensorError(

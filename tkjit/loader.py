@@ -84,13 +84,15 @@ def _load_ctypes(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
     dll.get_last_error.restype = ctypes.c_char_p
     if dll.init() != 0:
         raise LaunchError(f"kernel init failed: {dll.get_last_error().decode(errors='replace')}")
-    dyn = [(int(d["arg"]), int(d["axis"])) for d in meta["abi"]["dynamic"]]
+    # (arg, axis, is a stride): a runtime size is read off a tensor's shape, a runtime stride off its strides.
+    dyn = [(int(d["arg"]), int(d["stride"]), True) if "stride" in d else (int(d["arg"]), int(d["axis"]), False)
+           for d in meta["abi"]["dynamic"]]
     call = dll.call
     call.restype = ctypes.c_int
 
     def launch(*tensors):
         args = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
-        args += [ctypes.c_int32(tensors[a].shape[ax]) for a, ax in dyn]
+        args += [ctypes.c_int32(tensors[a].stride(ax) if st else tensors[a].shape[ax]) for a, ax, st in dyn]
         rc = call(*args)
         if rc != 0:
             raise LaunchError(f"kernel returned {rc}: {dll.get_last_error().decode(errors='replace')}")
@@ -106,33 +108,40 @@ def loader_for(arch: str) -> str:
     return "ctypes" if arch == "cpu" else "tvm_ffi"
 
 
-def dynamic_args(tensor_dims: Sequence[Sequence[Any]], runtime: Iterable[str]) -> list[dict[str, Any]]:
-    """The C ABI's trailing int args as the spec implies them: each runtime size, at the first
-    tensor axis that is exactly that size (the compiler records the same from the built function)."""
+def dynamic_args(tensors: Sequence[Any], runtime: Iterable[str]) -> list[dict[str, Any]]:
+    """The C ABI's trailing int args as the spec implies them (the compiler records the same from the
+    built function): each runtime size, at the first tensor axis that is exactly that size; then each
+    strided tensor's leading strides, `{"name": stride_name(arg, axis), "arg": i, "stride": axis}`.
+
+    tensors: the spec's TensorArgs, inputs then outputs (a plain dims tuple stands for a contiguous one).
+    """
     names, out, seen = set(runtime), [], set()
-    for arg, dims in enumerate(tensor_dims):
-        for axis, d in enumerate(dims):
+    for arg, t in enumerate(tensors):
+        for axis, d in enumerate(getattr(t, "dims", t)):
             if isinstance(d, str) and d in names and d not in seen:
                 seen.add(d)
                 out.append({"name": d, "arg": arg, "axis": axis})
+    for arg, t in enumerate(tensors):
+        for axis, name in enumerate(t.stride_names() if hasattr(t, "stride_names") else ()):
+            out.append({"name": name, "arg": arg, "stride": axis})
     return out
 
 
-def check_abi(meta: dict[str, Any], arch: str, tensor_dims: Sequence[Sequence[Any]], runtime: Iterable[str]) -> None:
+def check_abi(meta: dict[str, Any], arch: str, tensors: Sequence[Any], runtime: Iterable[str]) -> None:
     """Refuse an entry whose recorded ABI is not the one its spec and arch imply.
 
     The loader trusts the ABI to place pointers and sizes: a wrong axis or loader kind would run
     the kernel on wrong sizes (unwritten rows, reads past the end) instead of failing.
     """
     abi = meta.get("abi")
-    want_dynamic = dynamic_args(tensor_dims, runtime)
+    want_dynamic = dynamic_args(tensors, runtime)
     problem = None
     if not isinstance(abi, dict):
         problem = "it records no ABI"
     elif abi.get("loader") != loader_for(arch):
         problem = f"its loader is {abi.get('loader')!r}, {arch} kernels use {loader_for(arch)!r}"
     elif abi["loader"] == "ctypes" and abi.get("dynamic") != want_dynamic:
-        problem = f"its runtime-size args {abi.get('dynamic')!r} are not the spec's {want_dynamic}"
+        problem = f"its runtime size/stride args {abi.get('dynamic')!r} are not the spec's {want_dynamic}"
     elif abi["loader"] == "tvm_ffi" and not isinstance(abi.get("tilelang_runtime", False), bool):
         problem = "its tilelang_runtime flag is not a bool"
     if problem:

@@ -145,17 +145,39 @@ def resolve_dim(d: Dim, shape: Mapping[str, Any]) -> int:
     return int(d(shape)) if callable(d) else int(d)
 
 
+def stride_name(arg: str, axis: int) -> str:
+    """The runtime stride var of a strided tensor's axis: the builder's `T.dynamic` name and the ABI's."""
+    return f"{arg}_stride{axis}"
+
+
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor the kernel takes or returns. dims: param names, Align(name, m), ints, or shape -> int."""
+    """A tensor the kernel takes or returns. dims: param names, Align(name, m), ints, or shape -> int.
+
+    strided: an input whose leading strides are runtime values (the builder declares it with
+    `T.StridedTensor(dims, (T.dynamic(stride_name(name, 0)), ..., 1), dtype)`): one binary reads any
+    view whose last axis is contiguous and whose rows do not overlap, e.g. `buf[:, :hidden]`.
+    Otherwise the tensor must be contiguous.
+    align: bytes its data pointer (and a strided tensor's leading strides) must be a multiple of:
+    the widest vector access the kernel makes to it; an int or (shape, config) -> int.
+    """
 
     name: str
     dtype: str | Callable[[Shape], str]
     dims: tuple[Dim, ...]
+    strided: bool = False
+    align: int | Callable[[Shape, Config], int] = 16
 
     def resolve(self, shape: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
         dtype = self.dtype(shape) if callable(self.dtype) else self.dtype
         return dtype, tuple(resolve_dim(d, shape) for d in self.dims)
+
+    def stride_names(self) -> tuple[str, ...]:
+        """Its runtime stride vars, one per leading axis (none unless strided)."""
+        return tuple(stride_name(self.name, axis) for axis in range(len(self.dims) - 1)) if self.strided else ()
+
+    def align_bytes(self, shape: Mapping[str, Any], config: Mapping[str, Any]) -> int:
+        return int(self.align(dict(shape), dict(config)) if callable(self.align) else self.align)
 
 
 @dataclass(frozen=True)

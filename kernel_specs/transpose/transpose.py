@@ -5,6 +5,9 @@ batched_transpose:  x (batch, rows, cols) -> y (batch, cols, rows)
 Two specs because a spec's tensors have a fixed rank; both come from one builder.
 Any element type of 1, 2, 4 or 8 bytes (bf16, f32, fp8, ints...) is copied bit for bit.
 `rows` (tokens) and `batch` are runtime sizes; `cols` (hidden size) and the dtype are compiled in.
+x may be a view with runtime row (and batch) strides, e.g. `buf[:, :cols]` of a wider buffer: its
+last axis contiguous, rows not overlapping, every row starting on the load width (`x_align`); one
+binary serves every stride. y is contiguous.
 
 Layout (one thread block per block_rows x block_cols tile of x):
   1. Each thread loads k x k micro-tiles (k = vec_bytes / element size): k rows of x, one
@@ -36,7 +39,7 @@ the C backend has types for (ints, float16/32/64; not bfloat16 or fp8).
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 
 ELEM_BYTES = {
     "float64": 8, "int64": 8,
@@ -64,6 +67,17 @@ def _geometry(shape, c):
     k = max(1, c["vec_bytes"] // eb)  # micro-tile side = elements per vector
     groups = 128 // c["vec_bytes"]  # vector slots in one pass over the 32 banks
     return eb, k, groups
+
+
+def _load_elems(shape, c):
+    """Elements per vector load of x: a micro-tile row, narrowed to the largest power of two dividing cols."""
+    _, k, _ = _geometry(shape, c)
+    return min(k, shape["cols"] & -shape["cols"])
+
+
+def x_align(shape, c):
+    """Bytes of x's vector loads: where each of x's rows must start (its address and row stride)."""
+    return _load_elems(shape, c) * ELEM_BYTES[shape["dtype"]]
 
 
 def constraint(shape, c):
@@ -123,7 +137,7 @@ def _build(shape, c, batched):
     chunks = br // k  # vectors per shared row
     per_thread_in = (br // k) * (bc // k) // nt  # micro-tiles per thread
     per_thread_out = bc * chunks // nt  # output vectors per thread
-    kin = min(k, cols & -cols)  # input vector width: the largest power of two dividing cols
+    kin = _load_elems(shape, c)  # input vector width: the largest power of two dividing cols
     col_tail = cols % bc != 0
     min_blocks = c["min_threads_per_sm"] // nt
     raster = c["raster"]
@@ -133,9 +147,11 @@ def _build(shape, c, batched):
     if batched:
         batch = T.dynamic("batch")
         x_shape, y_shape = (batch, rows, cols), (batch, cols, rows)
+        x_strides = (T.dynamic(stride_name("x", 0)), T.dynamic(stride_name("x", 1)), 1)
         nb = batch
     else:
         x_shape, y_shape = (rows, cols), (cols, rows)
+        x_strides = (T.dynamic(stride_name("x", 0)), 1)
         nb = 1
 
     def ix(b, i, j):
@@ -145,7 +161,10 @@ def _build(shape, c, batched):
         return q ^ ((row // k) % groups) if swizzle else q
 
     @T.prim_func
-    def transpose(x: T.Tensor[x_shape, dtype], y: T.Tensor[y_shape, dtype]):
+    def transpose(x: T.StridedTensor(x_shape, x_strides, dtype), y: T.Tensor[y_shape, dtype]):
+        # x's rows start load-aligned (the launcher checks it, see x_align): strides written as multiples
+        # of kin, so the index analysis proves the kin-wide loads aligned and emits vector loads.
+        x = T.view(x, strides=tuple((st // kin) * kin for st in x_strides[:-1]) + (1,))
         with T.Kernel(T.ceildiv(rows, br) * col_tiles, nb, threads=nt) as (bid, bz):
             if min_blocks > 1:
                 annotate_min_blocks_per_sm(min_blocks)
@@ -277,7 +296,7 @@ SPEC = register(
         doc="y = x.T for a (rows, cols) tensor of any 1/2/4/8-byte dtype, bit-exact",
         params=(_DTYPE, _COLS, _ROWS),
         build=build,
-        inputs=(TensorArg("x", _dtype_of, ("rows", "cols")),),
+        inputs=(TensorArg("x", _dtype_of, ("rows", "cols"), strided=True, align=x_align),),
         outputs=(TensorArg("y", _dtype_of, ("cols", "rows")),),
         examples=(
             {"dtype": "bfloat16", "cols": 7168, "rows": 16384},
@@ -295,7 +314,7 @@ BATCHED_SPEC = register(
         doc="y = x.transpose(1, 2) for a (batch, rows, cols) tensor of any 1/2/4/8-byte dtype, bit-exact",
         params=(_DTYPE, _COLS, _ROWS, Runtime("batch", hi=65535, doc="batch size (gridDim.y); runtime")),
         build=build_batched,
-        inputs=(TensorArg("x", _dtype_of, ("batch", "rows", "cols")),),
+        inputs=(TensorArg("x", _dtype_of, ("batch", "rows", "cols"), strided=True, align=x_align),),
         outputs=(TensorArg("y", _dtype_of, ("batch", "cols", "rows")),),
         examples=(
             {"dtype": "bfloat16", "cols": 2048, "rows": 4096, "batch": 8},
