@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tkjit import envs
+from tkjit.canon import canonical_json
 from tkjit.errors import CacheError, ConfigError
 from tkjit.fs import (
     BadFile,
@@ -141,7 +142,7 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     cache could reseal it, but such a user is already refused (the cache must be private).
     """
     body = {k: v for k, v in manifest.items() if k not in _UNSEALED}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 def _is_int(v: Any) -> bool:

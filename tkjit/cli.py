@@ -149,6 +149,7 @@ def cmd_show(args) -> int:
 
 def cmd_compile(args) -> int:
     from tkjit.arch import resolve_arch
+    from tkjit.canon import canonical_json
     from tkjit.pool import compile_many
     from tkjit.registry import all_specs, get_spec
     from tkjit.tuning_db import choose_config
@@ -169,7 +170,7 @@ def cmd_compile(args) -> int:
     for spec, full in shapes:
         cfg, source = choose_config(spec, full, arch, cfg_in)
         job = (spec.name, spec.static_shape(full), cfg, arch, source)
-        ident = json.dumps(job[:4], sort_keys=True)
+        ident = canonical_json(job[:4])
         if ident not in seen:
             seen.add(ident)
             jobs.append(job)

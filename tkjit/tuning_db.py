@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tkjit import envs
+from tkjit.canon import canonical_json
 from tkjit.errors import ConfigError, TuningDBError
 from tkjit.locks import file_lock
 from tkjit.spec import KernelSpec
@@ -63,10 +64,6 @@ TUNING_DB_DIR = envs.TUNING_DB
 # A DB entry is ~600 bytes: 8 MiB is >10k tuned shapes of one GPU. A bigger file is not a DB we wrote,
 # and is refused from its size without being read.
 MAX_DB_BYTES = 8 << 20
-
-
-def _canon(d: Mapping[str, Any]) -> str:
-    return json.dumps(dict(d), sort_keys=True, separators=(",", ":"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +218,7 @@ def validate_doc(doc: Any, path: Path) -> None:
     seen: dict[tuple, int] = {}
     for i, e in enumerate(doc["entries"]):
         validate_entry(e, path, i)
-        k = (e["kernel"], _canon(e["shape"]), _canon(e["bucket"]))
+        k = (e["kernel"], canonical_json(e["shape"]), canonical_json(e["bucket"]))
         if k in seen:
             raise _bad(path, f"entry {i} ({e['kernel']})", f"duplicates entry {seen[k]} (same shape and bucket)")
         seen[k] = i
@@ -298,7 +295,7 @@ def _parse(path: Path, raw: bytes) -> DBFile:
     validate_doc(doc, path)
     index: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
     for e in doc["entries"]:
-        index.setdefault((e["kernel"], _canon(e["shape"])), []).append((e["bucket"], e))
+        index.setdefault((e["kernel"], canonical_json(e["shape"])), []).append((e["bucket"], e))
     return DBFile(path, doc, index)
 
 
@@ -372,9 +369,9 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     if envs.flag(envs.NO_TUNED_DB):
         return None
     model = _current_model(arch)
-    static_key = _canon(spec.static_shape(shape))
+    static_key = canonical_json(spec.static_shape(shape))
     bucket = spec.bucket(shape)
-    bucket_key = _canon(bucket)
+    bucket_key = canonical_json(bucket)
     sources = (("user", user_db_dir()), ("shipped", shipped_db_dir()))
     candidates: list[tuple[float, int, int, str, dict]] = []
     for rank, (label, root) in enumerate(sources):
@@ -383,7 +380,7 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
             if db is None:
                 continue
             for b, e in db.index.get((spec.name, static_key), ()):
-                if _canon(b) == bucket_key:
+                if canonical_json(b) == bucket_key:
                     return dict(e["config"]), f"tuned:{label}"
                 dist = _distance(b, bucket)
                 if dist is not None:
@@ -442,7 +439,7 @@ def _round(v: float | None, nd: int = 3) -> float | None:
 
 
 def _sort_key(e: Mapping[str, Any]) -> tuple:
-    return (e["kernel"], _canon(e["shape"]), sorted(e["bucket"].items()))
+    return (e["kernel"], canonical_json(e["shape"]), sorted(e["bucket"].items()))
 
 
 def _lock_path(path: Path) -> Path:
@@ -466,14 +463,14 @@ def write_entries(path: Path, entries: Iterable[Mapping[str, Any]], *, arch: str
         if path.exists():
             try:
                 for e in load_db(path).doc["entries"]:
-                    merged[(e["kernel"], _canon(e["shape"]), _canon(e["bucket"]))] = e
+                    merged[(e["kernel"], canonical_json(e["shape"]), canonical_json(e["bucket"]))] = e
             except TuningDBError:
                 bad = path.with_name(path.name + f".bad.{int(time.time())}")
                 os.replace(path, bad)  # keep it for inspection; never merge into a broken file
         for i, e in enumerate(entries):
             e = dict(e)
             validate_entry(e, path, i)
-            merged[(e["kernel"], _canon(e["shape"]), _canon(e["bucket"]))] = e
+            merged[(e["kernel"], canonical_json(e["shape"]), canonical_json(e["bucket"]))] = e
         doc = {"schema": SCHEMA, "arch": arch, "gpu": gpu, "entries": sorted(merged.values(), key=_sort_key)}
         validate_doc(doc, path)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
