@@ -9,6 +9,8 @@ Three layouts are tunable:
   fragment  TileLang fragments reduced across threads (T.reduce_*), TileKernels' structure.
 The arithmetic is tiny (~1.3 GFLOP at 1M tokens): the kernel should run at memory speed, which
 the per-thread layouts reach because they issue no shuffles or barriers between the 2*repeat steps.
+Shapes, tensors, the target rule, the reference and the per-token TileLang blocks (load/store, row
+max and exp, row sums) come from _common.py, shared with sinkhorn_bwd.
 """
 
 from __future__ import annotations
