@@ -91,3 +91,70 @@ def test_a_flipped_abi_on_disk_never_gives_a_wrong_answer(cache_dir, edit):
     except TkjitError:
         return
     assert k.spec.tolerance.check("y", y, want) is None
+
+
+# -- a strided input's runtime stride ------------------------------------------------------------------
+T_SHAPE = {"dtype": "float32", "cols": 67, "rows": 33}
+
+
+@pytest.fixture(scope="module")
+def strided_meta(tmp_path_factory):
+    """A real cpu build of transpose (x strided): its manifest meta and the spec's tensors."""
+    import os
+
+    old = os.environ.get("TKJIT_CACHE_DIR")
+    os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("abi-strided") / "cache")
+    tkjit.reset()
+    try:
+        k = tkjit.get("transpose", T_SHAPE, arch="cpu")
+        meta = json.loads((k.path / "manifest.json").read_text())["meta"]
+    finally:
+        tkjit.reset()
+        if old is None:
+            os.environ.pop("TKJIT_CACHE_DIR", None)
+        else:
+            os.environ["TKJIT_CACHE_DIR"] = old
+    spec = k.spec
+    return meta, (*spec.inputs, *spec.outputs), [p.name for p in spec.runtime_params]
+
+
+def test_the_built_abi_records_the_stride(strided_meta):
+    meta, tensors, runtime = strided_meta
+    assert meta["abi"] == {"loader": "ctypes", "dynamic": [
+        {"name": "rows", "arg": 0, "axis": 0}, {"name": "x_stride0", "arg": 0, "stride": 0}]}
+    assert loader.dynamic_args(tensors, runtime) == meta["abi"]["dynamic"]
+    loader.check_abi(meta, "cpu", tensors, runtime)
+    # Plain dims tuples stand for contiguous tensors: no stride entry then.
+    assert loader.dynamic_args([t.dims for t in tensors], runtime) == meta["abi"]["dynamic"][:1]
+
+
+@pytest.mark.parametrize("flip", [
+    lambda d: d[1].update(stride=1),
+    lambda d: d[1].update(arg=1),
+    lambda d: d[1].update(name="x_stride1"),
+    lambda d: d[1].update(axis=d[1].pop("stride")),  # read as a size, not a stride
+    lambda d: d.pop(1),
+    lambda d: d.reverse(),  # stride before the size
+    lambda d: d.append({"name": "y_stride0", "arg": 1, "stride": 0}),
+], ids=["stride-axis", "arg", "name", "as-size", "dropped", "order", "extra"])
+def test_a_flipped_stride_entry_is_refused(strided_meta, flip):
+    meta, tensors, runtime = strided_meta
+    bad = copy.deepcopy(meta)
+    flip(bad["abi"]["dynamic"])
+    with pytest.raises(LaunchError, match="wrong ABI"):
+        loader.check_abi(bad, "cpu", tensors, runtime)
+
+
+def test_a_flipped_stride_on_disk_never_gives_a_wrong_answer(cache_dir):
+    k = tkjit.get("transpose", T_SHAPE, arch="cpu")
+    mpath = k.path / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["meta"]["abi"]["dynamic"].pop()  # the launcher would no longer pass the stride
+    mpath.write_text(json.dumps(manifest))
+    tkjit.reset()
+    x = torch.randn(33, 80)[:, 5:72]
+    try:
+        y = tkjit.get("transpose", T_SHAPE, arch="cpu")(x)
+    except TkjitError:
+        return
+    assert torch.equal(y, x.T.contiguous())
