@@ -31,6 +31,9 @@ groups are mostly one token's neighbouring groups, T4 * 4 bytes apart); they are
 bytes at group 128, and neighbouring tokens' stores land in the same sectors close in time, so L2
 should merge them before DRAM (not yet measured on the H200).
 
+x may be a view with a runtime row stride, e.g. `buf[:, :hidden]` of a wider buffer (its rows starting
+on the chunk width, `x_align`); one binary serves every stride. out and scales are contiguous.
+
 The whole tensor is a sequence of num_tokens * hidden / group contiguous groups. A group is owned by
 `group_threads` consecutive threads; thread t of a group loads chunks i * group_threads + t of `vec`
 consecutive elements (16-byte loads for bf16 x 8 / f32 x 4; neighbouring threads and neighbouring
@@ -42,7 +45,7 @@ DRAM and kept in registers until it is cast.
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 
 GROUPS = (32, 64, 128)
 FP8_MAX = 448.0
@@ -117,6 +120,12 @@ def constraint(shape, c):
     return None
 
 
+def x_align(shape, c):
+    """Bytes of one chunk (`vec` elements, loaded as one or two 16-byte vectors): where every row of x
+    must start (its address and row stride)."""
+    return c["vec"] * _elem_bytes(shape)
+
+
 def arch_constraint(arch, c, shape):
     if arch == "cpu":
         return "needs warp shuffles and FP8 conversions: CUDA targets only"
@@ -150,12 +159,17 @@ def _build(shape, c, col_major):
     # TensorArg's Align("num_tokens", TMA_ALIGN), so the launcher's shape check binds it.
     sf_shape = (NG, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, NG)
 
+    x_stride = T.dynamic(stride_name("x", 0))  # x's row stride: x may be a view such as buf[:, :hidden]
+
     @T.prim_func
     def per_token_cast(
-        x: T.Tensor[(num_tokens, H), in_dtype],
+        x: T.StridedTensor((num_tokens, H), (x_stride, 1), in_dtype),
         out: T.Tensor[(num_tokens, H), fp8],
         scales: T.Tensor[sf_shape, f32],
     ):
+        # Rows start chunk-aligned (the launcher checks it, see x_align): the stride written as a multiple
+        # of vec, so the index analysis proves the chunk loads aligned and emits vector loads.
+        x = T.view(x, strides=((x_stride // vec) * vec, 1))
         with T.Kernel(T.ceildiv(num_tokens * NG, gpb), threads=threads) as bx:
             tx = T.get_thread_binding()
             xs = T.alloc_local((per_thread,), in_dtype)
@@ -288,7 +302,7 @@ COMMON = dict(
     arch_constraint=arch_constraint,
     check_shape=check_shape,
     pass_configs=pass_configs,
-    inputs=(TensorArg("x", lambda s: s["in_dtype"], ("num_tokens", "hidden")),),
+    inputs=(TensorArg("x", lambda s: s["in_dtype"], ("num_tokens", "hidden"), strided=True, align=x_align),),
     make_inputs=make_inputs,
     tolerance=Tolerance(exact=True),
 )
