@@ -183,3 +183,77 @@ def test_colmajor_matches_tile_kernels_layout():
     assert s.shape == s_tk.shape and s.stride() == s_tk.stride()
     assert torch.allclose(s, s_tk, rtol=1e-6, atol=0)
     assert (q.view(torch.uint8) != q_tk.view(torch.uint8)).float().mean().item() < 1e-3
+
+
+# -- row-strided x: x = buf[:, off:off + hidden] of a wider buffer, read in place ----------------------
+def _wide_x(n, width, in_dtype, seed):
+    """Fresh random rows spanning many magnitudes (the spec's own inputs, `width` wide), on the GPU."""
+    shape = {"num_tokens": n, "hidden": width, "in_dtype": in_dtype}
+    return tkjit.get_spec(NAME).make_inputs(shape, seed=seed)[0].cuda()
+
+
+def _poisoned_outs(kern, n):
+    spec, shape = kern.spec, {**kern.shape, "num_tokens": n}
+    (_, _, qdims), (_, _, sdims) = spec.output_decls(shape)
+    q = torch.empty(qdims, device="cuda", dtype=torch.uint8).fill_(0xFF).view(torch.float8_e4m3fn)
+    return q, torch.full(sdims, float("nan"), device="cuda")
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(
+        a.view(torch.int32), b.view(torch.int32))
+
+
+# (num_tokens, hidden, group, in_dtype, buffer width - hidden, offset in chunks of the kernel's x_align)
+STRIDED = [
+    (32768, 7168, 128, "bfloat16", 7168, 0),  # the benchmark case: a 32768 x 14336 buffer's left half
+    (4001, 7168, 128, "bfloat16", 64, 2),
+    (1, 576, 64, "bfloat16", 448, 1),
+    (65, 576, 32, "float32", 24, 3),
+    (7, 4096, 4096, "float32", 32, 1),  # one group per token: cross-warp reduction
+]
+
+
+@pytest.mark.parametrize("name", [NAME, "per_token_cast_colmajor"])
+@pytest.mark.parametrize("n, hidden, group, in_dtype, extra, chunks", STRIDED)
+def test_strided_x_is_bit_exact(name, n, hidden, group, in_dtype, extra, chunks):
+    kern = tkjit.get(name, {"num_tokens": n, "hidden": hidden, "group": group, "in_dtype": in_dtype})
+    eb = 2 if in_dtype == "bfloat16" else 4
+    align = kern.spec.inputs[0].align_bytes(kern.shape, kern.config) // eb  # elements
+    off = chunks * align
+    width = hidden + -(-(extra + off) // align) * align
+    x = _wide_x(n, width, in_dtype, seed=n)[:, off:off + hidden]
+    assert x.stride() == (width, 1)
+    want = kern(x.contiguous(), out=_poisoned_outs(kern, n))
+    got = kern(x, out=_poisoned_outs(kern, n))
+    torch.cuda.synchronize()
+    ref = kern.spec.reference({**kern.shape, "num_tokens": n}, x.contiguous())
+    for g, w, r in zip(got, want, ref):
+        assert _same_bits(g, w) and _same_bits(g, r.cuda())
+    q, s = tkjit.ops.per_token_cast(x, group, col_major_scales=name != NAME)
+    assert _same_bits(q, got[0])
+    assert torch.equal(s, got[1] if name == NAME else got[1][:, :n].T)
+
+
+def test_misaligned_x_is_refused():
+    kern = tkjit.get(NAME, {"num_tokens": 64, "hidden": 7168, "group": 128})
+    x = _wide_x(64, 7168 + 16, "bfloat16", seed=0)
+    with pytest.raises(tkjit.TensorError, match="byte aligned"):
+        kern(x[:, 3:3 + 7168])
+
+
+def test_report_strided_vs_contiguous_time():
+    """For the benchmark note: 32768 x 7168 bf16 read from a 32768 x 14336 buffer's left half, against
+    a contiguous copy of it, and against a .contiguous() copy before the call."""
+    kern = tkjit.get(NAME, {"num_tokens": 32768, "hidden": 7168, "group": 128})
+    buf = _wide_x(32768, 14336, "bfloat16", seed=5)
+    x = buf[:, :7168]
+    xc = x.contiguous()
+    out = kern(xc)
+    strided = median(time_cuda(lambda: kern(x, out=out)))
+    contiguous = median(time_cuda(lambda: kern(xc, out=out)))
+    copy_then = median(time_cuda(lambda: kern(x.contiguous(), out=out)))
+    print(f"\nper_token_cast 32768x7168 bf16 g128 {kern.config}: strided view {strided:.1f} us, contiguous "
+          f"{contiguous:.1f} us, .contiguous() + kernel {copy_then:.1f} us")
+    q, s = kern(x)
+    assert _same_bits(q, out[0]) and _same_bits(s, out[1])

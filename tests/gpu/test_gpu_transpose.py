@@ -127,3 +127,83 @@ def test_speed_all_configs_16384x7168_bf16():
     print("\n" + "\n".join(f"{us:8.1f} us  {c}" for us, c in times[:15]))
     best = tkjit.get("transpose", full, config=times[0][1])
     assert check(best, full, seed=3) is None
+
+
+# -- row-strided views: x = buf[:, off:off + cols] of a wider buffer, read in place ---------------------
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t):
+    return t.view(_BITS[t.element_size()])
+
+
+def _wide(dtype, rows, width, seed, batch=None):
+    """Fresh random bits (no NaN: the poison), on the GPU."""
+    from kernel_specs.transpose.transpose import make_inputs
+
+    shape = {"dtype": dtype, "cols": width, "rows": rows, **({"batch": batch} if batch else {})}
+    return make_inputs(shape, seed=seed)[0].cuda()
+
+
+def _poisoned_like(shape, dtype):
+    t = torch.empty(shape, dtype=dtype, device="cuda")
+    return t.fill_(float("nan")) if dtype.is_floating_point and t.element_size() > 1 else _bits(t).fill_(-1).view(dtype)
+
+
+# (dtype, cols, rows, buffer width, offset): offsets are multiples of the load width (see x_align).
+STRIDED = [
+    ("bfloat16", 7168, 16384, 14336, 0),  # the benchmark case: a 16384 x 14336 buffer's left half
+    ("bfloat16", 7168, 4001, 7168 + 64, 64),
+    ("bfloat16", 129, 65, 200, 3),  # odd cols: element loads, any offset
+    ("bfloat16", 5, 8192, 16, 7),
+    ("float32", 4096, 4001, 4096 + 4, 4),
+    ("float16", 2112, 64, 4096, 8),
+    ("float8_e4m3fn", 7168, 1000, 7168 + 16, 16),
+    ("int64", 64, 3, 66, 2),
+]
+
+
+@pytest.mark.parametrize("dtype, cols, rows, width, off", STRIDED)
+def test_strided_view_is_bit_exact(dtype, cols, rows, width, off):
+    k = tkjit.get("transpose", {"dtype": dtype, "cols": cols, "rows": rows})
+    x = _wide(dtype, rows, width, seed=rows)[:, off:off + cols]
+    assert x.stride() == (width, 1)
+    want = k(x.contiguous(), out=_poisoned_like((cols, rows), x.dtype))
+    got = k(x, out=_poisoned_like((cols, rows), x.dtype))
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(got), _bits(x.T.contiguous()))
+    assert torch.equal(_bits(tkjit.ops.transpose(x)), _bits(want))
+
+
+def test_batched_strided_view_is_bit_exact():
+    k = tkjit.get("batched_transpose", {"dtype": "bfloat16", "cols": 2048, "rows": 1000, "batch": 3})
+    buf = _wide("bfloat16", 1024, 2048 + 128, seed=1, batch=4)
+    for x in (buf[:3, :1000, 64:64 + 2048], buf.permute(1, 0, 2)[:3, :1000, :2048]):
+        got = k(x, out=_poisoned_like((3, 2048, 1000), x.dtype))
+        assert torch.equal(_bits(got), _bits(x.transpose(1, 2).contiguous())), x.stride()
+
+
+def test_misaligned_view_is_refused():
+    k = tkjit.get("transpose", {"dtype": "bfloat16", "cols": 7168, "rows": 64})
+    x = _wide("bfloat16", 64, 7168 + 8, seed=0)
+    with pytest.raises(tkjit.TensorError, match="not 16-byte aligned"):
+        k(x[:, 3:3 + 7168])
+    with pytest.raises(tkjit.TensorError, match="contiguous last axis"):
+        k(torch.empty(7168, 64, device="cuda", dtype=torch.bfloat16).T)
+
+
+def test_speed_strided_vs_contiguous_16384x7168_bf16():
+    """For the benchmark note: the same kernel on a 16384 x 14336 buffer's left half and on a contiguous
+    copy of it, and what a .contiguous() copy before the call would cost."""
+    k = tkjit.get("transpose", {"dtype": "bfloat16", "cols": 7168, "rows": 16384})
+    buf = _wide("bfloat16", 16384, 14336, seed=5)
+    x = buf[:, :7168]
+    xc = x.contiguous()
+    y = torch.empty(7168, 16384, device="cuda", dtype=torch.bfloat16)
+    strided = median(time_cuda(lambda: k(x, out=y)))
+    contiguous = median(time_cuda(lambda: k(xc, out=y)))
+    copy_then = median(time_cuda(lambda: k(x.contiguous(), out=y)))
+    print(f"\ntranspose 16384x7168 bf16 {k.config}: strided view {strided:.1f} us, contiguous {contiguous:.1f} us, "
+          f".contiguous() + kernel {copy_then:.1f} us")
+    assert torch.equal(_bits(k(x, out=y)), _bits(x.T.contiguous()))
