@@ -5,6 +5,8 @@
 #   tools/h200_verify.sh sampler   # exhaustive sinkhorn_bwd study (gate on every config) + TPE replay,
 #                                  # then the every-config tests of sinkhorn_bwd and transpose
 #   tools/h200_verify.sh suite     # every GPU test file but the every-config ones, then tools/hostcost.py
+#   tools/h200_verify.sh strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
+#                                  # short, host cost, and the transpose / per_token_cast benchmark
 # Every step has its own time limit so one slow step cannot lose the others' results.
 source .gpu/env.sh
 export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16
@@ -50,6 +52,21 @@ suite)
   timeout 60 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 6; done
   cat "$OUT/hostcost.txt"
+  ;;
+strided)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  timeout 150 $PYTEST -s tests/gpu/test_gpu_transpose.py -k "not every" > "$OUT/pytest_transpose.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_transpose.txt"
+  timeout 130 $PYTEST -s tests/gpu/test_gpu_per_token_cast.py -k "not every" > "$OUT/pytest_per_token_cast.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_per_token_cast.txt"
+  { timeout 45 $PYTEST tests/gpu/test_gpu_torch_ops.py -k fake_tensors; echo "rc=$?"
+    timeout 60 $PYTEST -s tests/gpu/test_gpu_tuning.py -k 28_configs; echo "rc=$?"; } > "$OUT/pytest_rest.txt" 2>&1
+  timeout 45 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
+  timeout 140 python tools/bench.py --kernels transpose per_token_cast --no-compile --json "$OUT/bench.json" \
+    > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
+  for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 8; done
+  grep -E "strided|contiguous" "$OUT"/pytest_transpose.txt "$OUT"/pytest_per_token_cast.txt | head -20
+  cat "$OUT/hostcost.txt"; tail -n 30 "$OUT/bench.txt"
   ;;
 final)  # what the two stages above left: the fixed autograd test, the rest of the files, launch floor
   timeout 60 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k autograd > "$OUT/pytest_final.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_final.txt"
