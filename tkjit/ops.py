@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tkjit import torch_ops  # importing it registers torch.ops.tkjit.*
+from tkjit.autograd import SinkhornFunction, plain
 from tkjit.torch_ops import encode_config
 
 _ops = torch.ops.tkjit
@@ -45,6 +46,8 @@ def sinkhorn_fwd(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6, *, config
     (the gradient runs sinkhorn_bwd); `sinkhorn` takes any (..., n, n)."""
     if _eager(x):
         return torch_ops.sinkhorn_fwd_impl(x, repeat, eps, encode_config(config))
+    if plain(x):  # eager, with a gradient wanted: the autograd.Function, not the op's Python wrapper
+        return SinkhornFunction.apply(x, repeat, eps, encode_config(config), None)
     return _sinkhorn_fwd(x, repeat, eps, encode_config(config))
 
 

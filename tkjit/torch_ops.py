@@ -149,11 +149,14 @@ def _sinkhorn_backward(ctx, grad_y):
     return torch.ops.tkjit.sinkhorn_bwd.default(grad_y.contiguous(), x, *ctx.args), None, None, None, None
 
 
+DIFFERENTIABLE_ONCE = (
+    "tkjit: sinkhorn is differentiable once: sinkhorn_bwd has no gradient (double backward, e.g. a "
+    "gradient penalty through create_graph=True, is not supported)"
+)
+
+
 def _no_double_backward(ctx, grad):
-    raise RuntimeError(
-        "tkjit: sinkhorn is differentiable once: sinkhorn_bwd has no gradient (double backward, e.g. a "
-        "gradient penalty through create_graph=True, is not supported)"
-    )
+    raise RuntimeError(DIFFERENTIABLE_ONCE)
 
 
 sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup_context)
