@@ -16,25 +16,23 @@ from tkjit.errors import LaunchError, TkjitError
 SHAPE = {"num_tokens": 33, "n": 4}
 
 
+def _built(tmp_path_factory, name: str, shape: dict):
+    """A real cpu build in a cache of its own: the kernel and its manifest meta."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TKJIT_CACHE_DIR", str(tmp_path_factory.mktemp(name) / "cache"))
+        tkjit.reset()
+        try:
+            k = tkjit.get(name, shape, arch="cpu")
+            return k, json.loads((k.path / "manifest.json").read_text())["meta"]
+        finally:
+            tkjit.reset()
+
+
 @pytest.fixture(scope="module")
 def entry_meta(tmp_path_factory):
-    """A real cpu build of sinkhorn_fwd: its manifest meta and the spec's tensor dims."""
-    import os
-
-    old = os.environ.get("TKJIT_CACHE_DIR")
-    os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("abi") / "cache")
-    tkjit.reset()
-    try:
-        k = tkjit.get("sinkhorn_fwd", SHAPE, arch="cpu")
-        meta = json.loads((k.path / "manifest.json").read_text())["meta"]
-    finally:
-        tkjit.reset()
-        if old is None:
-            os.environ.pop("TKJIT_CACHE_DIR", None)
-        else:
-            os.environ["TKJIT_CACHE_DIR"] = old
-    spec = k.spec
-    return meta, [t.dims for t in (*spec.inputs, *spec.outputs)], [p.name for p in spec.runtime_params]
+    """sinkhorn_fwd's manifest meta and the spec's tensor dims."""
+    k, meta = _built(tmp_path_factory, "sinkhorn_fwd", SHAPE)
+    return meta, [t.dims for t in (*k.spec.inputs, *k.spec.outputs)], [p.name for p in k.spec.runtime_params]
 
 
 def test_the_built_abi_is_the_one_the_spec_implies(entry_meta):
@@ -99,23 +97,9 @@ T_SHAPE = {"dtype": "float32", "cols": 67, "rows": 33}
 
 @pytest.fixture(scope="module")
 def strided_meta(tmp_path_factory):
-    """A real cpu build of transpose (x strided): its manifest meta and the spec's tensors."""
-    import os
-
-    old = os.environ.get("TKJIT_CACHE_DIR")
-    os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("abi-strided") / "cache")
-    tkjit.reset()
-    try:
-        k = tkjit.get("transpose", T_SHAPE, arch="cpu")
-        meta = json.loads((k.path / "manifest.json").read_text())["meta"]
-    finally:
-        tkjit.reset()
-        if old is None:
-            os.environ.pop("TKJIT_CACHE_DIR", None)
-        else:
-            os.environ["TKJIT_CACHE_DIR"] = old
-    spec = k.spec
-    return meta, (*spec.inputs, *spec.outputs), [p.name for p in spec.runtime_params]
+    """transpose's (x strided) manifest meta and the spec's tensors."""
+    k, meta = _built(tmp_path_factory, "transpose", T_SHAPE)
+    return meta, (*k.spec.inputs, *k.spec.outputs), [p.name for p in k.spec.runtime_params]
 
 
 def test_the_built_abi_records_the_stride(strided_meta):

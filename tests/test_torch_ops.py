@@ -23,6 +23,7 @@ import tkjit.ops
 import tkjit.torch_ops
 from kernel_specs.mhc.sinkhorn import reference as sinkhorn_reference
 from tkjit.kernel import CompiledKernel
+from tkjit.testing import bit_equal
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("sinkhorn_fwd", "sinkhorn_bwd", "topk_gate", "per_token_cast", "per_token_cast_colmajor", "transpose")
@@ -82,15 +83,7 @@ def _inputs(name, tokens=37, *, seed=0, dtype=None, batched=False):
     raise AssertionError(name)
 
 
-def _same(a, b) -> bool:
-    """Bit-exact equality of tensors (fp8 compared as bytes), or of tuples of them."""
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.element_size() == 1 and a.dtype.is_floating_point:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return torch.equal(a, b)
+_same = bit_equal
 
 
 # -- registration ---------------------------------------------------------------------------------

@@ -84,3 +84,18 @@ def check(
         runtime = {p.name: full[p.name] for p in spec.runtime_params}
         return f"{spec.name} {kernel.config} at {runtime}: {problem}"
     return None
+
+
+def bit_equal(a, b) -> bool:
+    """Bit-exact equality of tensors (or tuples of them): same dtype, shape and bits; 1-byte floats
+    (fp8) are compared as bytes, and NaN never equals NaN, so a NaN-poisoned element left unwritten
+    fails."""
+    import torch
+
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(bit_equal(x, y) for x, y in zip(a, b))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1 and a.dtype.is_floating_point:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)

@@ -16,6 +16,7 @@ import torch
 import tkjit
 import tkjit.ops
 from kernel_specs.mhc.sinkhorn import reference as sinkhorn_reference
+from tkjit.testing import bit_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,15 +87,7 @@ def _cast_model(x, group, *, round_scale, col_major):
     return q.view(torch.uint8).int() + 1, s + 1
 
 
-def _same(a, b) -> bool:
-    """Bit-exact (fp8 as bytes; NaN never equal, so a poisoned element left unwritten fails)."""
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.element_size() == 1 and a.dtype.is_floating_point:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return torch.equal(a, b)
+_same = bit_equal
 
 
 def _call(op, tensors):
