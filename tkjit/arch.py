@@ -6,10 +6,11 @@ A named arch lets a CPU-only host cross-compile (TileLang + nvcc emit sm_XX code
 
 from __future__ import annotations
 
+import functools
 import re
 
 from tkjit import envs
-from tkjit.errors import TkjitError
+from tkjit.errors import TensorError, TkjitError
 
 _ARCH_RE = re.compile(r"^(sm_[1-9][0-9]{1,2}[af]?|cpu)$")
 
@@ -29,6 +30,28 @@ def current_arch(device: int | None = None) -> str | None:
         return None
     idx = torch.cuda.current_device() if device is None else device
     return arch_for_capability(*torch.cuda.get_device_capability(idx))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_arch(kind: str, index: int | None) -> str:
+    if kind == "cuda":
+        import torch
+
+        return arch_for_capability(*torch.cuda.get_device_capability(index))
+    if kind == "cpu":
+        return "cpu"
+    raise TensorError(f"tensors on {kind} devices are not supported: tkjit kernels take CUDA (or CPU) tensors")
+
+
+def arch_of(tensor) -> str:
+    """The arch a tensor's device runs: 'cpu' (the C target) or its GPU's (looked up once per device)."""
+    device = tensor.device
+    index = device.index
+    if device.type == "cuda" and index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return _device_arch(device.type, index)
 
 
 def check_arch(arch: str) -> str:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch
 
 from tkjit.api import get
-from tkjit.arch import arch_for_capability
+from tkjit.arch import arch_of
 from tkjit.errors import ConfigError, TensorError
 from tkjit.kernel import dtype_name, torch_dtype
 
@@ -52,14 +52,6 @@ def _config(text: str | None) -> dict | None:
         return dict(value)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise ConfigError(f"config {text!r} is not the text of a dict (e.g. \"{{'threads': 128}}\")") from None
-
-
-def _arch_of(t: torch.Tensor) -> str:
-    if t.device.type == "cuda":
-        return arch_for_capability(*torch.cuda.get_device_capability(t.device))
-    if t.device.type == "cpu":
-        return "cpu"
-    raise TensorError(f"tensors on {t.device} are not supported")
 
 
 def _need(x, ndim, what: str) -> None:
@@ -96,7 +88,7 @@ def sinkhorn_fwd_impl(x, repeat=10, eps=1e-6, config=None, bwd_config=None):
     """(num_tokens, n, n) float32 -> Sinkhorn-normalised; its gradient runs sinkhorn_bwd (config bwd_config)."""
     _need(x, (3,), "sinkhorn_fwd")
     shape = {"num_tokens": max(1, x.shape[0]), "n": x.shape[1], "repeat": repeat, "eps": eps}
-    return get("sinkhorn_fwd", shape, arch=_arch_of(x), config=_config(config))(x)
+    return get("sinkhorn_fwd", shape, arch=arch_of(x), config=_config(config))(x)
 
 
 sinkhorn_fwd = torch.library.custom_op(
@@ -117,7 +109,7 @@ def sinkhorn_bwd_impl(grad_out, x, repeat=10, eps=1e-6, config=None):
     """dL/dx of sinkhorn_fwd(x) given dL/dy = grad_out, both (num_tokens, n, n) float32."""
     _need(x, (3,), "sinkhorn_bwd")
     shape = {"num_tokens": max(1, x.shape[0]), "n": x.shape[1], "repeat": repeat, "eps": eps}
-    return get("sinkhorn_bwd", shape, arch=_arch_of(x), config=_config(config))(grad_out, x)
+    return get("sinkhorn_bwd", shape, arch=arch_of(x), config=_config(config))(grad_out, x)
 
 
 sinkhorn_bwd = torch.library.custom_op(
@@ -169,7 +161,7 @@ def topk_gate_impl(scores, k, config=None):
     """(num_tokens, num_experts) float32 -> int64 (num_tokens, k) expert indices, best first."""
     _need(scores, (2,), "topk_gate")
     shape = {"num_tokens": max(1, scores.shape[0]), "num_experts": scores.shape[1], "k": k}
-    return get("topk_gate", shape, arch=_arch_of(scores), config=_config(config))(scores)
+    return get("topk_gate", shape, arch=arch_of(scores), config=_config(config))(scores)
 
 
 topk_gate = torch.library.custom_op(
@@ -193,7 +185,7 @@ def _cast(name, x, group, round_scale, config):
     _need(x, (2,), name)
     shape = {"num_tokens": max(1, x.shape[0]), "hidden": x.shape[1], "group": group,
              "in_dtype": dtype_name(x.dtype), "round_scale": round_scale}
-    return get(name, shape, arch=_arch_of(x), config=_config(config))(x)
+    return get(name, shape, arch=arch_of(x), config=_config(config))(x)
 
 
 def _fake_cast(name, x, group, round_scale):
@@ -244,8 +236,8 @@ def transpose_impl(x, config=None):
     shape = {"rows": max(1, x.shape[-2]), "cols": x.shape[-1], "dtype": dtype_name(x.dtype)}
     if x.dim() == 3:
         shape["batch"] = max(1, x.shape[0])
-        return get("batched_transpose", shape, arch=_arch_of(x), config=_config(config))(x)
-    return get("transpose", shape, arch=_arch_of(x), config=_config(config))(x)
+        return get("batched_transpose", shape, arch=arch_of(x), config=_config(config))(x)
+    return get("transpose", shape, arch=arch_of(x), config=_config(config))(x)
 
 
 transpose = torch.library.custom_op(
