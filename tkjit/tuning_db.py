@@ -1,9 +1,9 @@
-"""Tuned-config databases: the user's (in the cache) and the shipped one (in the repo).
+"""Tuned-config databases: the user's (in the cache) and the shipped one (package data).
 
 `tkjit.get` asks `lookup` for a config when none is given. Order:
   1. the user's DB      <cache>/v1/tuned/<arch>/<GPU_model>.json          -> "tuned:user"
-  2. the shipped DB     <repo>/tuning_db/<arch>/<GPU_model>.json          -> "tuned:shipped"
-     (TKJIT_TUNING_DB points elsewhere)
+  2. the shipped DB     tkjit/tuning_db_data/<arch>/<GPU_model>.json      -> "tuned:shipped"
+     (package data, found through importlib.resources; TKJIT_TUNING_DB points elsewhere)
   3. the nearest tuned bucket of the same static shape, user's first       -> "tuned:nearest(user, num_tokens=65536)"
   4. None: the heuristic default serves.
 GPU_model is the GPU name with spaces as underscores (NVIDIA_H200). A model without its own file
@@ -31,7 +31,9 @@ dropping some would silently change which neighbour the nearest-bucket search pi
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import json
+import logging
 import math
 import os
 import platform
@@ -64,6 +66,7 @@ TUNING_DB_DIR = envs.TUNING_DB
 # A DB entry is ~600 bytes: 8 MiB is >10k tuned shapes of one GPU. A bigger file is not a DB we wrote,
 # and is refused from its size without being read.
 MAX_DB_BYTES = 8 << 20
+_log = logging.getLogger("tkjit")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,11 +118,34 @@ def user_db_dir() -> Path:
     return cache().base / "tuned"
 
 
+SHIPPED_DATA = "tuning_db_data"  # package data of tkjit: tkjit/tuning_db_data/<arch>/<GPU_model>.json
+
+
 def shipped_db_dir() -> Path:
+    """TKJIT_TUNING_DB, else the DB installed with the package (the checkout's tkjit/ when editable)."""
     env = TUNING_DB_DIR.get()
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parent.parent / "tuning_db"
+    data = importlib.resources.files("tkjit") / SHIPPED_DATA
+    if isinstance(data, Path):
+        return data
+    return Path(__file__).resolve().parent / SHIPPED_DATA  # a loader without real paths (never zip-safe)
+
+
+_logged_missing: set[tuple[str, str, str]] = set()
+
+
+def _log_no_shipped_db(arch: str, model: str, root: Path) -> None:
+    """Once per process and (arch, model, dir): say where the shipped DB was looked for. INFO, not a
+    warning: most GPUs have no shipped DB and are served the heuristic defaults by design."""
+    key = (arch, model, str(root))
+    if key in _logged_missing:
+        return
+    _logged_missing.add(key)
+    how = "TKJIT_TUNING_DB" if TUNING_DB_DIR.get() else "package data"
+    _log.info("no shipped tuning DB for %s %s: looked in %s (%s) and the user's DB %s; serving heuristic "
+              "defaults unless the user tuned the shape", arch, model, db_path(root, arch, model).parent, how,
+              user_db_dir())
 
 
 def db_path(root: Path, arch: str, model: str) -> Path:
@@ -328,6 +354,7 @@ def clear_memo() -> None:
     with _load_lock:
         _loaded.clear()
         _warned.clear()
+    _logged_missing.clear()
 
 
 def _warn_once(path: Path, problem: str) -> None:
@@ -375,7 +402,10 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     sources = (("user", user_db_dir()), ("shipped", shipped_db_dir()))
     candidates: list[tuple[float, int, int, str, dict]] = []
     for rank, (label, root) in enumerate(sources):
-        for path in db_files(root, arch, model):
+        paths = db_files(root, arch, model)
+        if not paths and label == "shipped":
+            _log_no_shipped_db(arch, model, root)
+        for path in paths:
             db = _serving_db(path)
             if db is None:
                 continue
