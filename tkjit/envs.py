@@ -31,7 +31,7 @@ CACHE_MAX_BYTES = EnvVar("TKJIT_CACHE_MAX_BYTES", None, "size cap of the cache; 
 NVCC = EnvVar("TKJIT_NVCC", None, "nvcc to use and key on (default: CUDA_HOME/bin/nvcc or PATH)")
 NO_TUNED_DB = EnvVar("TKJIT_NO_TUNED_DB", "0", "1: ignore tuned databases, serve heuristic defaults")
 GPU_NAME = EnvVar("TKJIT_GPU_NAME", None, "GPU model for tuning-DB lookup (default: the current GPU)")
-TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "directory of the shipped tuning DB (default: <repo>/tuning_db)")
+TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "shipped tuning DB directory (default: tkjit/tuning_db_data, package data)")
 LOG = EnvVar("TKJIT_LOG", "warning", "tkjit command log level: debug (errors with tracebacks), info, warning, error")
 
 REGISTRY: tuple[EnvVar, ...] = (

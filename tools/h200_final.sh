@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lease on the H200: cold start, pretune over the manifest (writes tuning_db/), GPU tests,
+# One lease on the H200: cold start, pretune over the manifest (writes tkjit/tuning_db_data/), GPU tests,
 # then the benchmark table with the tuned configs. Every step has its own time limit so one slow
 # step cannot lose the others' results. Results go to $OUT (at most 8 files come back).
 source .gpu/env.sh
@@ -10,7 +10,7 @@ timeout 45 python tools/coldstart.py --runs 3 --breakdown > "$OUT/coldstart.txt"
 python -X importtime -c "import torch; import tvm_ffi" 2>&1 | sort -t'|' -k2 -n | tail -12 >> "$OUT/coldstart.txt"
 timeout 220 python tools/pretune.py --arch sm_90a --update-shipped --time-budget 16 --quiet --json "$OUT/pretune.json" \
   > "$OUT/pretune.txt" 2>&1; echo "pretune rc=$?" >> "$OUT/pretune.txt"
-cp tuning_db/sm_90a/*.json "$OUT/" 2>/dev/null
+cp tkjit/tuning_db_data/sm_90a/*.json "$OUT/" 2>/dev/null
 TKJIT_CACHE_DIR=/tmp/tkc-fresh timeout 30 python -c "
 import tkjit
 for shape in ({'num_tokens': 1048576}, {'num_tokens': 4096}):

@@ -77,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the trials already in the storage (default on)")
     ap.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
-    ap.add_argument("--update-shipped", action="store_true", help="also write tuning_db/<arch>/<GPU>.json")
+    ap.add_argument("--update-shipped", action="store_true",
+                    help="also write the shipped tkjit/tuning_db_data/<arch>/<GPU>.json (in this source tree; "
+                    "TKJIT_TUNING_DB names another directory)")
     ap.add_argument("--no-user-db", action="store_true", help="do not write the user DB")
     ap.add_argument("--max-configs", type=int, default=None, help="tune a slice of each space (CI)")
     ap.add_argument("--exhaustive-max", type=int, default=64, help="enumerate spaces up to this many configs")
