@@ -1,7 +1,10 @@
-"""A new tilelang, nvcc, C compiler, tkjit, artifact format or edited spec never reuses an old binary."""
+"""tkjit.key: a new tilelang, nvcc, C compiler, tkjit, artifact format or edited spec never reuses an old binary;
+the key is stable across processes, changes with every input and holds no absolute path."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -10,8 +13,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
+from common import ROOT, SINK  # noqa: E402
+from common import subprocess_env as _env  # noqa: E402
+
+import tkjit  # noqa: E402
 import tkjit.key as keymod  # noqa: E402
-from tkjit import build  # noqa: E402
+from tkjit import build, key  # noqa: E402
 from tkjit.cache import Cache, CorruptEntry  # noqa: E402
 from tkjit.registry import get_spec  # noqa: E402
 
@@ -90,3 +97,43 @@ def test_entry_of_an_old_toolchain_is_not_served_even_under_a_colliding_key(tmp_
     calls = []
     cache.get_or_build(key, {**meta, "toolchain": new_tc}, fake_build(key, calls))
     assert calls == [key]
+
+
+# -- key material --------------------------------------------------------------------------------
+def _mkey(**over):
+    spec = tkjit.get_spec("sinkhorn_fwd")
+    full = spec.canonical_shape(SINK)
+    args = dict(name=spec.name, source_hash=spec.source_hash, static_shape=spec.static_shape(full),
+                config=spec.default_config(full), pass_configs={"x": 1}, arch="sm_90a")
+    args.update(over)
+    return key.key_of(key.key_material(**args))
+
+
+def test_key_is_stable_across_processes():
+    code = "import tkjit, tests.test_key as t; print(t._mkey())"
+    outs = {
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env("/tmp/unused"), capture_output=True,
+                       text=True, check=True).stdout.strip()
+        for _ in range(2)
+    }
+    assert outs == {_mkey()}
+
+
+def test_any_input_change_gives_a_new_key(monkeypatch):
+    base = _mkey()
+    variants = [
+        _mkey(name="other"), _mkey(source_hash="0" * 16), _mkey(static_shape={"n": 8, "repeat": 10, "eps": 1e-6}),
+        _mkey(config={"layout": "smem"}), _mkey(pass_configs={"x": 2}), _mkey(arch="sm_100a"),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+    for fn, value in [("tilelang_version", "9.9.9"), ("nvcc_version", "99.0")]:
+        monkeypatch.setattr(key, fn, lambda v=value: v)
+        assert _mkey() != base
+        monkeypatch.undo()
+    monkeypatch.setattr(key, "__version__", "9.9")
+    assert _mkey() != base
+
+
+def test_key_has_no_absolute_paths(cache_dir):
+    material = json.dumps(key.key_material("s", "h", {}, {}, {}, "sm_90a"))
+    assert str(cache_dir) not in material and "/work" not in material and "/usr" not in material
