@@ -41,70 +41,14 @@ def _toy_spec(**over) -> KernelSpec:
 
 
 # -- spec model -------------------------------------------------------------------------------
-def test_builtin_catalog_validates():
-    specs = {s.name: s for s in tkjit.all_specs()}
-    assert "sinkhorn_fwd" in specs
-    for s in specs.values():
-        validate(s)
-        for ex in s.examples:
-            full = s.canonical_shape(ex)
-            assert s.default_config(full) in s.configs(full), s.name
 
 
-@pytest.mark.parametrize(
-    "over, match",
-    [
-        (dict(name="Bad-Name"), "spec name"),
-        (dict(space={}), "empty tunable space"),
-        (dict(space={"block": [32, 64]}), "non-empty tuple"),
-        (dict(default=lambda s: {"block": 128}), "default config is invalid"),
-        (dict(params=(Runtime("n"), Runtime("n"))), "duplicate"),
-        (dict(inputs=(TensorArg("x", "float32", ("n", "nope")),)), "unknown dim"),
-        (dict(examples=()), "example"),
-    ],
-)
-def test_spec_validation_errors(over, match):
-    with pytest.raises(tkjit.SpecError, match=match):
-        validate(_toy_spec(**over))
 
 
-def test_shape_and_config_errors_list_what_is_allowed():
-    spec = tkjit.get_spec("sinkhorn_fwd")
-    with pytest.raises(tkjit.ShapeError, match="unknown shape params.*expected: num_tokens"):
-        spec.canonical_shape({"num_tokens": 4, "hidden": 3})
-    with pytest.raises(tkjit.ShapeError, match="missing shape params: num_tokens"):
-        spec.canonical_shape({"n": 4})
-    with pytest.raises(tkjit.ShapeError, match="above its maximum 16"):
-        spec.canonical_shape({"num_tokens": 4, "n": 17})
-    with pytest.raises(tkjit.ShapeError, match="must be an int"):
-        spec.canonical_shape({"num_tokens": "many"})
-    full = spec.canonical_shape(SINK)
-    with pytest.raises(tkjit.ConfigError, match="not in the space; allowed"):
-        spec.check_config(full, {**spec.default_config(full), "threads": 99})
-    with pytest.raises(tkjit.ConfigError, match="missing"):
-        spec.check_config(full, {"layout": "thread"})
-    with pytest.raises(tkjit.ConfigError, match="multiple of threads"):
-        spec.check_config(full, {**spec.default_config(full), "block_tokens": 64, "threads": 128})
-    with pytest.raises(tkjit.ConfigError, match="not in the space"):  # True must not pass for 1
-        spec.check_config(full, {**spec.default_config(full), "fast_math": 1})
-    with pytest.raises(tkjit.UnknownKernelError, match="known kernels"):
-        tkjit.get("no_such_kernel", {})
 
 
-def test_runtime_sizes_bucket_to_powers_of_two():
-    spec = tkjit.get_spec("sinkhorn_fwd")
-    assert spec.bucket({"num_tokens": 4001}) == {"num_tokens": 4096}
-    assert spec.bucket({"num_tokens": 4096}) == {"num_tokens": 4096}
-    assert spec.bucket({"num_tokens": 1}) == {"num_tokens": 1}
 
 
-def test_space_holds_several_layouts_and_constraints_prune():
-    spec = tkjit.get_spec("sinkhorn_fwd")
-    full = spec.canonical_shape(SINK)
-    cfgs = spec.configs(full)
-    assert {c["layout"] for c in cfgs} == {"thread", "smem", "fragment"}
-    assert 100 < len(cfgs) < 10 * 4 * 2 * 2 * 3
-    assert all(c["layout"] == "thread" and not c["fast_math"] for c in spec.configs(full, "cpu"))
 
 
 # -- keys -------------------------------------------------------------------------------------

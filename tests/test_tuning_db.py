@@ -1,4 +1,4 @@
-"""The tuned DBs: schema validation, lookup order, nearest bucket, GPU-model fallback, writing."""
+"""tkjit.tuning_db: schema validation, lookup order, nearest bucket, GPU-model fallback, writing, malformed files."""
 
 import json
 import re
@@ -8,7 +8,10 @@ import pytest
 import tkjit
 from tkjit import tuning_db
 from tkjit.errors import TuningDBError
+from tkjit.registry import get_spec
 
+SPEC = get_spec("sinkhorn_fwd")
+FULL = SPEC.canonical_shape({"num_tokens": 64})
 STATIC = {"n": 4, "repeat": 10, "eps": 1e-06}
 
 
@@ -172,3 +175,36 @@ def test_get_reports_config_source(dbs, monkeypatch):
     with pytest.warns(UserWarning, match="ignoring tuned config"):
         k = tkjit.get("sinkhorn_fwd", shape, arch="cpu")
     assert k.config_source == "default"
+
+
+MALFORMED_DBS = {
+    "not JSON": "{schema: 1",
+    "empty": "",
+    "not UTF-8": b"\xff\xfe\x00{",
+    "a list": "[]",
+    "wrong schema": '{"schema": 99, "entries": []}',
+    "entries not a list": '{"schema": 1, "entries": {}}',
+    "entry not an object": '{"schema": 1, "entries": [3]}',
+    "entry missing fields": '{"schema": 1, "entries": [{"kernel": "sinkhorn_fwd"}]}',
+}
+
+
+@pytest.mark.parametrize("what", list(MALFORMED_DBS))
+def test_malformed_tuning_db(cache_dir, monkeypatch, what):
+    from tkjit import tuning_db
+    from tkjit.errors import TuningDBError
+
+    monkeypatch.setenv("TKJIT_TUNING_DB", str(cache_dir.parent / "no-shipped-db"))
+    path = tuning_db.user_db_path("cpu", tuning_db.gpu_model("cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = MALFORMED_DBS[what]
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    tuning_db.clear_memo()
+    try:  # serving warns once, naming the file, and falls back; tools that read the DB get the error
+        with pytest.warns(UserWarning, match=re.escape(str(path))):
+            assert tuning_db.choose_config(SPEC, FULL, "cpu", None)[1] == "default"
+        with pytest.raises(TuningDBError, match=re.escape(str(path))):
+            tuning_db.load_db(path)
+        assert tkjit.get("sinkhorn_fwd", {"num_tokens": 64}, arch="cpu").config_source == "default"
+    finally:
+        tuning_db.clear_memo()
