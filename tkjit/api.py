@@ -74,8 +74,8 @@ def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -
     with _lock:
         launch = _by_key.get(key)
     if launch is None:
-        tensors = (*spec.inputs, *spec.outputs)
-        loader.check_abi(entry.meta, arch, tensors, [p.name for p in spec.runtime_params])
+        tensors = spec.abi_tensors(static)
+        loader.check_abi(entry.meta, arch, tensors, [p.name for p in spec.runtime_params], spec.abi_scalars())
         launch = loader.load(entry.file(entry.meta["lib"]), entry.meta)
         with _lock:
             launch = _by_key.setdefault(key, launch)

@@ -129,8 +129,8 @@ def _dynamic_args(prim_func) -> list[dict[str, Any]]:
     bufs = []
     for idx, p in enumerate(prim_func.params):
         buf = prim_func.buffer_map.get(p)
-        if buf is None:
-            raise CompileError("tkjit kernels take tensors only (compile scalars in as static params)")
+        if buf is None:  # a scalar: _scalar_args records it
+            continue
         bufs.append(buf)
         for axis, dim in enumerate(buf.shape):
             if isinstance(dim, tirx.Var) and dim.name not in seen:
@@ -141,6 +141,18 @@ def _dynamic_args(prim_func) -> list[dict[str, Any]]:
             if isinstance(stride, tirx.Var) and stride.name not in seen:
                 seen.add(stride.name)
                 out.append({"name": stride.name, "arg": idx, "stride": axis})
+    return out
+
+
+def _scalar_args(prim_func, n_tensors: int) -> list[dict[str, str]]:
+    """The scalar params ({"name", "dtype"}), which must all come after the tensor params."""
+    out = []
+    for idx, p in enumerate(prim_func.params):
+        is_tensor = p in prim_func.buffer_map
+        if is_tensor != (idx < n_tensors):
+            raise CompileError(f"param {idx} ({p.name}): the builder must declare the tensors first, then the scalars")
+        if not is_tensor:
+            out.append({"name": p.name, "dtype": str(p.dtype)})
     return out
 
 
@@ -174,9 +186,17 @@ def _compile_in(
         func = spec.build(dict(static_shape), dict(config))
     except Exception as e:
         raise CompileError(f"{spec.name}: building config {config} failed: {type(e).__name__}: {e}") from e
-    n_args = len(spec.inputs) + len(spec.outputs)
+    tensors = spec.abi_tensors(static_shape)
+    n_args = len(tensors) + len(spec.scalars)
     if len(func.params) != n_args:
         raise CompileError(f"{spec.name}: builder made {len(func.params)} params, spec declares {n_args}")
+    try:
+        scalars = _scalar_args(func, len(tensors))
+    except CompileError as e:
+        raise CompileError(f"{spec.name}: {e}") from None
+    if scalars != spec.abi_scalars():
+        raise CompileError(f"{spec.name}: the built function's scalar params {scalars} are not the spec's "
+                           f"{spec.abi_scalars()} (names and dtypes, in order)")
     cpu = arch == "cpu"
     try:
         kernel = tilelang.compile(
@@ -196,7 +216,7 @@ def _compile_in(
         lib = getattr(kernel.adapter, "libpath", None) or kernel.adapter.lib_generator.libpath
         _copy_artifact(lib, build_dir, out_dir / KERNEL_LIB)
         abi = {"loader": "ctypes", "dynamic": _dynamic_args(func)}
-        implied = dynamic_args((*spec.inputs, *spec.outputs), [p.name for p in spec.runtime_params])
+        implied = dynamic_args(tensors, [p.name for p in spec.runtime_params])
         if abi["dynamic"] != implied:  # the loader would refuse it: say so now, naming both
             raise CompileError(f"{spec.name}: the built function's runtime sizes/strides {abi['dynamic']} are not "
                                f"the spec's tensors' {implied} (T.dynamic names must be the spec's param names, "
@@ -207,4 +227,6 @@ def _compile_in(
         # TMA kernels build their tensor maps on the host through a function registered by
         # libtilelang.so; record it so the loader brings that library in only when needed.
         abi = {"loader": "tvm_ffi", "tilelang_runtime": "__tvm_tensormap_create" in host}
+    if scalars:  # recorded only where there are some: entries without scalars keep their ABI record
+        abi["scalars"] = scalars
     return {"abi": abi, "lib": KERNEL_LIB}

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tkjit.errors import LaunchError, TensorError
-from tkjit.spec import Align, KernelSpec, resolve_dim
+from tkjit.errors import LaunchError, ShapeError, TensorError
+from tkjit.spec import Align, KernelSpec, ScalarArg, resolve_dim
 
 _INT32_MAX = 2**31 - 1  # runtime sizes and strides are int32 kernel args
 _TORCH_DTYPES: dict[str, Any] = {}  # spec dtype name -> torch dtype
@@ -48,6 +48,37 @@ def dtype_name(dtype) -> str:
         return _DTYPE_NAMES.get(dtype, str(dtype))
 
 
+_SCALAR_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
+def _scalar(kernel: str, s: ScalarArg, v: Any):
+    """A scalar argument as the kernel takes it, or a TensorError naming it."""
+    import operator
+
+    if s.type is bool:
+        if isinstance(v, bool):
+            return v
+    elif s.type is int:
+        if not isinstance(v, bool):
+            try:
+                v = operator.index(v)
+            except (TypeError, ValueError):
+                pass
+            else:
+                lo, hi = _SCALAR_RANGE[s.c_dtype]
+                if lo <= v <= hi:
+                    return v
+                raise TensorError(f"{kernel}: scalar {s.name}={v} does not fit {s.c_dtype} [{lo}, {hi}]")
+    elif not isinstance(v, (bool, str, bytes)):
+        try:
+            v = float(v)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        else:
+            return v  # inf and nan pass: a float scalar may mean them
+    raise TensorError(f"{kernel}: scalar {s.name} must be a {s.type.__name__}, got {v!r} (a {type(v).__name__})")
+
+
 def _no_data(t) -> bool:
     """True for a tensor without real memory behind it: meta, FakeTensor (torch.compile tracing, FakeTensorMode),
     functional or other wrapper subclasses. Its data_ptr() is no address a kernel may touch."""
@@ -70,6 +101,10 @@ class _ArgCheck:
     dims: list[tuple[str | None, int]]  # (runtime param, multiple it is rounded up to) or (None, static size)
     strided: bool = False  # leading strides are runtime args of the kernel (TensorArg.strided)
     align: int = 16  # bytes: data pointer (and leading strides of a strided arg) a multiple of this
+    present: bool = True  # an optional input this variant takes (False: the caller passes None)
+    optional: str | None = None  # the static bool param selecting an optional input
+    inout: bool = False  # updated in place and returned
+    zeroed: bool = False  # an output that starts as zeros
 
 
 @dataclass
@@ -99,38 +134,71 @@ class CompiledKernel:
                     dims.append((d.name, d.multiple))
                 else:
                     dims.append((None, resolve_dim(d, self.shape)))
-            return _ArgCheck(t.name, torch_dtype(dtype), dims, t.strided, t.align_bytes(self.shape, self.config))
+            return _ArgCheck(t.name, torch_dtype(dtype), dims, t.strided, t.align_bytes(self.shape, self.config),
+                             t.present(self.shape), t.optional, t.inout, t.zeroed)
 
         self._in = [plan(t) for t in self.spec.inputs]
         self._out = [plan(t) for t in self.spec.outputs]
         self._runtime = runtime
+        # Sizes no input gives (caller-sized outputs): from a keyword of the call or from `out=`.
+        from_inputs = {r for a in self._in if a.present for r, m in a.dims if r and m == 1}
+        self._caller_sized = tuple(sorted({r for a in self._out for r, _ in a.dims if r} - from_inputs))
+        self._scalars = self.spec.scalars
+        self._inouts = [i for i, a in enumerate(self._in) if a.inout]
+        self._simple = not (self._scalars or self._caller_sized or self._inouts
+                            or any(a.zeroed for a in self._out) or any(not a.present for a in self._in))
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-    def __call__(self, *inputs, out=None):
-        """Run on input tensors; returns the output (a tuple when the spec has several)."""
+    def __call__(self, *args, out=None, **kw):
+        """Run on the input tensors (None for an optional input this variant does not take), then the
+        spec's scalars (positional or by name); a caller-sized output's size by name (or read off `out=`).
+        Returns the inout inputs then the outputs (one tensor, or a tuple when there are several).
+
+        An empty batch (a runtime size of 0) launches nothing: outputs come back with their shapes,
+        zeroed ones zero-filled."""
         import torch
 
-        if len(inputs) != len(self._in):
-            raise TensorError(
-                f"{self.name}: expected {len(self._in)} input tensors ({', '.join(a.name for a in self._in)}), "
-                f"got {len(inputs)}"
-            )
+        if self._simple and not kw:
+            inputs, scalars, given = args, (), {}
+            if len(inputs) != len(self._in):
+                raise TensorError(
+                    f"{self.name}: expected {len(self._in)} input tensors ({', '.join(a.name for a in self._in)}), "
+                    f"got {len(inputs)}"
+                )
+        else:
+            inputs, scalars, given = self._split_args(args, kw)
         sizes: dict[str, int] = {}
         device = None
         for t, a in zip(inputs, self._in):
-            self._bind(t, a, sizes)
+            if a.present:
+                self._bind(t, a, sizes)
         for t, a in zip(inputs, self._in):
-            device = self._check(t, a, sizes, device)
+            if a.present:
+                device = self._check(t, a, sizes, device)
+            elif t is not None:
+                raise TensorError(
+                    f"{self.name}: input {a.name} is given but this kernel was built with {a.optional}=False; "
+                    f"get the variant with {a.optional}=True to pass it"
+                )
+        if given:
+            self._bind_given(given, sizes)
         for name, v in sizes.items():
             p = self._runtime[name]
             if v != 0:
                 p.check(v)
         if out is None:
-            outs = [torch.empty(self._dims_of(a, sizes), dtype=a.dtype, device=device) for a in self._out]
-            if type(outs[0]) is not torch.Tensor and _no_data(outs[0]):  # under a FakeTensorMode
+            missing = [r for r in self._caller_sized if r not in sizes]
+            if missing:
+                raise ShapeError(
+                    f"{self.name}: output size {', '.join(missing)} is not read off any input: pass it to the call "
+                    f"({', '.join(f'{r}=...' for r in missing)}) or give out= tensors"
+                )
+            outs = [(torch.zeros if a.zeroed else torch.empty)(self._dims_of(a, sizes), dtype=a.dtype, device=device)
+                    for a in self._out]
+            if outs and type(outs[0]) is not torch.Tensor and _no_data(outs[0]):  # under a FakeTensorMode
                 raise self._fake_error(outs[0], self._out[0], "output")
         else:
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
@@ -138,20 +206,71 @@ class CompiledKernel:
                 raise TensorError(f"{self.name}: expected {len(self._out)} output tensors, got {len(outs)}")
             for t, a in zip(outs, self._out):
                 self._check(t, a, sizes, device, output=True)
+            for t, a in zip(outs, self._out):
+                if a.zeroed:
+                    t.zero_()
         if device.type == "cuda" and device.index not in self._checked_devices:
             self._check_device(device)
         if all(v != 0 for v in sizes.values()):  # an empty batch launches nothing
-            if any(t.requires_grad for t in inputs):
+            tensors = [t for t, a in zip(inputs, self._in) if a.present]
+            if any(t.requires_grad for t in tensors):
                 # A kernel call is not an autograd op (tkjit.autograd wraps the pairs that are);
                 # DLPack export refuses tensors that require grad.
-                inputs = tuple(t.detach() for t in inputs)
+                tensors = [t.detach() for t in tensors]
             try:
-                self._launch(*inputs, *outs)
+                self._launch(*tensors, *outs, *scalars)
             except LaunchError:
                 raise
             except Exception as e:  # tvm_ffi reports argument/launch problems as its own errors
                 raise LaunchError(f"{self.name}: launch failed: {type(e).__name__}: {e}") from e
+        if self._inouts:
+            outs = [inputs[i] for i in self._inouts] + outs
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _split_args(self, args: tuple, kw: dict) -> tuple[list, list, dict[str, int]]:
+        """(inputs, scalar values in spec order, caller-given sizes) from a call's arguments."""
+        # Positionally: the inputs this variant takes (an absent optional left out), then the scalars.
+        names = [a.name for a in self._in if a.present] + [s.name for s in self._scalars]
+        if len(args) > len(names):
+            raise TensorError(f"{self.name}: expected at most {len(names)} arguments ({', '.join(names)}), "
+                              f"got {len(args)}")
+        values = dict(zip(names, args))
+        given: dict[str, int] = {}
+        for k, v in kw.items():
+            if k in self._caller_sized:
+                given[k] = v
+            elif k not in names and not any(a.name == k for a in self._in):
+                extra = f"; output sizes: {', '.join(self._caller_sized)}" if self._caller_sized else ""
+                raise TensorError(f"{self.name}: unknown argument {k!r}; arguments: {', '.join(names)}{extra}")
+            elif k in values:
+                raise TensorError(f"{self.name}: argument {k!r} given twice (positionally and by name)")
+            else:
+                values[k] = v
+        inputs = []
+        for a in self._in:
+            if a.name in values:
+                inputs.append(values[a.name])
+            elif a.optional is not None:
+                inputs.append(None)
+            else:
+                raise TensorError(f"{self.name}: missing input tensor {a.name}; arguments: {', '.join(names)}")
+        scalars = []
+        for s in self._scalars:
+            if s.name not in values:
+                raise TensorError(f"{self.name}: missing scalar {s.name} ({s.type.__name__}); pass it after the "
+                                  f"tensors or as {s.name}=...")
+            scalars.append(_scalar(self.name, s, values[s.name]))
+        return inputs, scalars, given
+
+    def _bind_given(self, given: dict[str, Any], sizes: dict[str, int]) -> None:
+        for name, v in given.items():
+            if not (type(v) is int and v == 0):  # 0: an empty output, below any declared minimum
+                try:
+                    v = self._runtime[name].check(v)
+                except ShapeError as e:
+                    raise ShapeError(f"{self.name}: output size: {e}") from None
+            if sizes.setdefault(name, v) != v:
+                raise ShapeError(f"{self.name}: {name}={v} given, but the out= tensors say {sizes[name]}")
 
     @staticmethod
     def _bind(t, a: _ArgCheck, sizes: dict[str, int]) -> None:

@@ -72,8 +72,8 @@ def _load_tvm_ffi(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
     mod = tvm_ffi.load_module(str(lib))
     fn = mod["main"]
 
-    def launch(*tensors):
-        fn(*tensors)
+    def launch(*args):  # tensors, then the scalars (Python numbers: tvm_ffi converts them)
+        fn(*args)
 
     launch._module = mod  # keep the module (and its CUDA code) alive as long as the callable
     return launch
@@ -87,11 +87,17 @@ def _load_ctypes(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
     # (arg, axis, is a stride): a runtime size is read off a tensor's shape, a runtime stride off its strides.
     dyn = [(int(d["arg"]), int(d["stride"]), True) if "stride" in d else (int(d["arg"]), int(d["axis"]), False)
            for d in meta["abi"]["dynamic"]]
+    # Scalars follow the tensor pointers (they are the PrimFunc's last params), before the sizes.
+    ctypes_of = [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())]
+    n_scalars = len(ctypes_of)
     call = dll.call
     call.restype = ctypes.c_int
 
-    def launch(*tensors):
+    def launch(*given):
+        tensors = given[: len(given) - n_scalars] if n_scalars else given
         args = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
+        if n_scalars:
+            args += [c(v) for c, v in zip(ctypes_of, given[len(tensors):])]
         args += [ctypes.c_int32(tensors[a].stride(ax) if st else tensors[a].shape[ax]) for a, ax, st in dyn]
         rc = call(*args)
         if rc != 0:
@@ -100,6 +106,11 @@ def _load_ctypes(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
     launch._dll = dll
     return launch
 
+
+_C_SCALARS = {
+    "float32": ctypes.c_float, "float64": ctypes.c_double, "int32": ctypes.c_int32, "int64": ctypes.c_int64,
+    "bool": ctypes.c_bool,
+}
 
 LOADERS = {"tvm_ffi": _load_tvm_ffi, "ctypes": _load_ctypes}
 
@@ -127,8 +138,14 @@ def dynamic_args(tensors: Sequence[Any], runtime: Iterable[str]) -> list[dict[st
     return out
 
 
-def check_abi(meta: dict[str, Any], arch: str, tensors: Sequence[Any], runtime: Iterable[str]) -> None:
+def check_abi(
+    meta: dict[str, Any], arch: str, tensors: Sequence[Any], runtime: Iterable[str],
+    scalars: Sequence[dict[str, str]] = (),
+) -> None:
     """Refuse an entry whose recorded ABI is not the one its spec and arch imply.
+
+    tensors: the variant's tensor params (`KernelSpec.abi_tensors`); scalars: `KernelSpec.abi_scalars()`,
+    recorded (for both loaders) only by kernels that take scalars.
 
     The loader trusts the ABI to place pointers and sizes: a wrong axis or loader kind would run
     the kernel on wrong sizes (unwritten rows, reads past the end) instead of failing.
@@ -140,6 +157,8 @@ def check_abi(meta: dict[str, Any], arch: str, tensors: Sequence[Any], runtime: 
         problem = "it records no ABI"
     elif abi.get("loader") != loader_for(arch):
         problem = f"its loader is {abi.get('loader')!r}, {arch} kernels use {loader_for(arch)!r}"
+    elif abi.get("scalars", []) != list(scalars):
+        problem = f"its scalar args {abi.get('scalars', [])!r} are not the spec's {list(scalars)}"
     elif abi["loader"] == "ctypes" and abi.get("dynamic") != want_dynamic:
         problem = f"its runtime size/stride args {abi.get('dynamic')!r} are not the spec's {want_dynamic}"
     elif abi["loader"] == "tvm_ffi" and not isinstance(abi.get("tilelang_runtime", False), bool):

@@ -167,6 +167,13 @@ class TensorArg:
     dims: tuple[Dim, ...]
     strided: bool = False
     align: int | Callable[[Shape, Config], int] = 16
+    inout: bool = False  # an input the kernel updates in place; the call returns that same tensor
+    zeroed: bool = False  # an output that starts as zeros (allocated so, or `out=` zero-filled): atomics
+    optional: str | None = None  # an input that may be None: names the static bool param selecting it
+
+    def present(self, shape: Mapping[str, Any]) -> bool:
+        """Whether the variant for this (static) shape takes it: an optional's flag is compiled in."""
+        return self.optional is None or bool(shape[self.optional])
 
     def resolve(self, shape: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
         dtype = self.dtype(shape) if callable(self.dtype) else self.dtype
@@ -178,6 +185,24 @@ class TensorArg:
 
     def align_bytes(self, shape: Mapping[str, Any], config: Mapping[str, Any]) -> int:
         return int(self.align(dict(shape), dict(config)) if callable(self.align) else self.align)
+
+
+_SCALAR_DTYPES = {int: ("int32", "int64"), float: ("float32", "float64"), bool: ("bool",)}
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    """A scalar the kernel takes at run time (not compiled in, not in the key): the builder declares it
+    as a PrimFunc parameter after the tensors, in spec order (`alpha: T.float32`). type: int, float or
+    bool; dtype: its C type, by default int32 / float32 / bool."""
+
+    name: str
+    type: type = float
+    dtype: str = ""
+
+    @property
+    def c_dtype(self) -> str:
+        return self.dtype or _SCALAR_DTYPES.get(self.type, ("",))[0]
 
 
 @dataclass(frozen=True)
@@ -243,6 +268,7 @@ class KernelSpec:
     flops: Callable[[Shape], int] | None = None
     check_shape: Callable[[Shape], str | None] = lambda shape: None  # cross-param rules
     examples: tuple[Shape, ...] = ()  # realistic full shapes: validation, `compile --all-defaults`, bench
+    scalars: tuple[ScalarArg, ...] = ()  # run-time scalars, PrimFunc params after the tensors
     source_hash: str = ""
 
     # -- shapes -------------------------------------------------------------------------
@@ -336,6 +362,15 @@ class KernelSpec:
         return self.check_config(shape, cfg, arch)
 
     # -- tensors ------------------------------------------------------------------------
+    def abi_tensors(self, static_shape: Mapping[str, Any]) -> tuple[TensorArg, ...]:
+        """The tensor params of the variant for this static shape, in order: inputs (an absent optional
+        left out), then outputs."""
+        return tuple(t for t in self.inputs if t.present(static_shape)) + self.outputs
+
+    def abi_scalars(self) -> list[dict[str, str]]:
+        """The scalar params as the ABI records them: [{"name", "dtype"}], in order."""
+        return [{"name": s.name, "dtype": s.c_dtype} for s in self.scalars]
+
     def output_decls(self, shape: Mapping[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
         return [(t.name, *t.resolve(shape)) for t in self.outputs]
 
@@ -470,9 +505,31 @@ def validate(spec: KernelSpec) -> None:
         for v in vals:
             if not isinstance(v, (int, float, str, bool)):
                 raise SpecError(f"{spec.name}: tunable {k} candidate {v!r} must be int, float, str or bool")
-    arg_names = [t.name for t in (*spec.inputs, *spec.outputs)]
-    if len(set(arg_names)) != len(arg_names) or not spec.outputs:
-        raise SpecError(f"{spec.name}: tensor names must be unique and there must be an output: {arg_names}")
+    arg_names = [t.name for t in (*spec.inputs, *spec.outputs)] + [s.name for s in spec.scalars]
+    returned = spec.outputs or [t for t in spec.inputs if t.inout]
+    if len(set(arg_names)) != len(arg_names) or not returned or set(arg_names) & set(names):
+        raise SpecError(
+            f"{spec.name}: tensor and scalar names must be unique and differ from the shape params, and there must "
+            f"be an output or an inout input: {arg_names}"
+        )
+    for s in spec.scalars:
+        if not _NAME_RE.fullmatch(s.name) or s.type not in _SCALAR_DTYPES or s.c_dtype not in _SCALAR_DTYPES[s.type]:
+            raise SpecError(f"{spec.name}: scalar {s.name!r} must be int, float or bool with a dtype in "
+                            f"{_SCALAR_DTYPES.get(s.type, ())}, got {s.type} {s.dtype!r}")
+    by_name = {p.name: p for p in spec.params}
+    for t in spec.outputs:
+        if t.inout or t.optional:
+            raise SpecError(f"{spec.name}: output {t.name} cannot be inout or optional (declare it as an input)")
+    for t in spec.inputs:
+        if t.zeroed:
+            raise SpecError(f"{spec.name}: input {t.name} cannot be zeroed (outputs only)")
+        if t.optional is not None:
+            p = by_name.get(t.optional)
+            if p is None or not p.static or p.type is not bool:
+                raise SpecError(f"{spec.name}: optional input {t.name} must name a static bool param, got "
+                                f"{t.optional!r}")
+            if t.inout:
+                raise SpecError(f"{spec.name}: input {t.name} cannot be both optional and inout")
     for t in (*spec.inputs, *spec.outputs):
         for d in t.dims:
             ref = d.name if isinstance(d, Align) else d
