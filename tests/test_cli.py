@@ -1,0 +1,37 @@
+"""The `tkjit` command: compile, list, show, specs, doctor and clear against a private cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+
+from common import ROOT  # noqa: E402
+from common import subprocess_env as _env  # noqa: E402
+
+
+def _cli(cache_dir, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tkjit.cli", *args], cwd=ROOT, env=_env(cache_dir),
+                          capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_cli_compile_list_show_clear_doctor(cache_dir):
+    r = _cli(cache_dir, "compile", "sinkhorn_fwd", "--shape", "num_tokens=4096", "n=4", "--arch", "sm_90a")
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stdout
+    r = _cli(cache_dir, "list")
+    assert r.returncode == 0 and "sinkhorn_fwd" in r.stdout and "sm_90a" in r.stdout
+    assert "tuned:shipped" in r.stdout  # tuning_db/sm_90a serves a CPU host that names the arch
+    assert "sinkhorn_fwd" in _cli(cache_dir, "show", "sinkhorn_fwd").stdout
+    assert "layout" in _cli(cache_dir, "specs").stdout
+    r = _cli(cache_dir, "doctor")
+    assert r.returncode == 0 and "nvcc" in r.stdout and str(cache_dir) in r.stdout
+    r = _cli(cache_dir, "compile", "sinkhorn_fwd", "--shape", "num_tokens=4096", "bogus=1", "--arch", "sm_90a")
+    assert r.returncode == 1 and "unknown shape params" in r.stderr
+    assert "removed 1" in _cli(cache_dir, "clear").stdout
+    assert "empty" in _cli(cache_dir, "list").stdout

@@ -1,0 +1,26 @@
+"""tkjit.ops on a CPU host: the op forms (autograd, transpose shapes) and targets that cannot lower a kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tkjit
+
+
+@pytest.mark.slow
+def test_ops_forms_on_cpu(cache_dir):
+    x = torch.randn(6, 4, 4, requires_grad=True)
+    tkjit.ops.sinkhorn(x).sum().backward()
+    assert x.grad.shape == (6, 4, 4) and torch.isfinite(x.grad).all()
+    t = torch.randn(3, 5)
+    assert torch.equal(tkjit.ops.transpose(t), t.t())
+    with pytest.raises(tkjit.TensorError, match="2-D or 3-D"):
+        tkjit.ops.transpose(torch.randn(2, 2, 2, 2))
+
+
+def test_targets_that_cannot_lower_a_kernel_say_why(cache_dir):
+    with pytest.raises(tkjit.ConfigError, match="C target has no bfloat16"):
+        tkjit.ops.transpose(torch.randn(3, 5).bfloat16())
+    with pytest.raises(tkjit.ConfigError, match="CUDA targets only"):
+        tkjit.get("topk_gate", {"num_tokens": 4, "num_experts": 64, "k": 2}, arch="cpu")
