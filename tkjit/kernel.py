@@ -177,6 +177,9 @@ class CompiledKernel:
                 self._bind(t, a, sizes)
         for t, a in zip(inputs, self._in):
             if a.present:
+                if t is None and a.optional:
+                    raise TensorError(f"{self.name}: input {a.name} is None but this kernel was built with "
+                                      f"{a.optional}=True; pass it, or get the variant with {a.optional}=False")
                 device = self._check(t, a, sizes, device)
             elif t is not None:
                 raise TensorError(
@@ -250,7 +253,7 @@ class CompiledKernel:
         for a in self._in:
             if a.name in values:
                 inputs.append(values[a.name])
-            elif a.optional is not None:
+            elif not a.present:
                 inputs.append(None)
             else:
                 raise TensorError(f"{self.name}: missing input tensor {a.name}; arguments: {', '.join(names)}")
