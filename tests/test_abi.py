@@ -15,6 +15,7 @@ import torch
 import tkjit
 from tkjit import loader
 from tkjit.errors import LaunchError, ShapeError, TensorError
+from tkjit.spec import ScalarArg, TensorArg
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import abi_specs  # noqa: E402  (registers axpy_inplace and bincount_scaled)
@@ -247,3 +248,52 @@ def test_sm90a_cross_compile_records_the_scalars(name, shape, scalars):
     spec = k.spec
     loader.check_abi(_meta(k), "sm_90a", spec.abi_tensors(k.shape), [p.name for p in spec.runtime_params],
                      spec.abi_scalars())
+
+
+# -- declarations: registration and build checks ----------------------------------------------------
+
+
+def _variant(**kw):
+    import dataclasses
+
+    return dataclasses.replace(abi_specs.AXPY, source_hash="", **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"scalars": (ScalarArg("alpha", str),)}, "scalar 'alpha' must be int, float or bool"),
+        ({"scalars": (ScalarArg("alpha", int, "float32"),)}, "scalar 'alpha'"),
+        ({"scalars": (ScalarArg("x", float),)}, "names must be unique"),
+        ({"scalars": (ScalarArg("n", float),)}, "differ from the shape params"),
+        ({"inputs": (TensorArg("x", "float32", ("n",)),)}, "there must be an output or an inout input"),
+        ({"inputs": (TensorArg("y", "float32", ("n",), inout=True),
+                     TensorArg("b", "float32", ("n",), optional="n"))}, "optional input b must name a static bool"),
+        ({"inputs": (TensorArg("y", "float32", ("n",), inout=True, zeroed=True),)}, "outputs only"),
+        ({"outputs": (TensorArg("o", "float32", ("n",), inout=True),)}, "cannot be inout or optional"),
+    ],
+)
+def test_validate_refuses_bad_declarations(kw, match):
+    from tkjit.errors import SpecError
+    from tkjit.spec import validate
+
+    with pytest.raises(SpecError, match=match):
+        validate(_variant(**kw))
+
+
+@pytest.mark.parametrize(
+    "scalars, match",
+    [
+        ((ScalarArg("alpha", float, "float64"),), "scalar params .* are not the spec's"),
+        ((ScalarArg("beta", float),), "scalar params .* are not the spec's"),
+        ((), "builder made 3 params, spec declares 2"),
+    ],
+)
+def test_compile_refuses_a_builder_whose_scalars_differ(tmp_path, scalars, match):
+    from tkjit.compiler import compile_to_dir
+    from tkjit.errors import CompileError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CompileError, match=match):
+        compile_to_dir(_variant(scalars=scalars), {"has_bias": False}, {"unused": 0}, "cpu", out)
