@@ -297,3 +297,26 @@ def test_compile_refuses_a_builder_whose_scalars_differ(tmp_path, scalars, match
     out.mkdir()
     with pytest.raises(CompileError, match=match):
         compile_to_dir(_variant(scalars=scalars), {"has_bias": False}, {"unused": 0}, "cpu", out)
+
+
+def test_compile_refuses_scalars_before_tensors(tmp_path):
+    from tkjit.compiler import compile_to_dir
+    from tkjit.errors import CompileError
+
+    def build(shape, c):
+        from tilelang import language as T
+
+        n = T.dynamic("n")
+
+        @T.prim_func
+        def axpy(alpha: T.float32, x: T.Tensor[(n,), T.float32], y: T.Tensor[(n,), T.float32]):
+            with T.Kernel(1, threads=1) as _:
+                for i in T.serial(n):
+                    y[i] = y[i] + alpha * x[i]
+
+        return axpy
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CompileError, match="tensors first, then the scalars"):
+        compile_to_dir(_variant(build=build), {"has_bias": False}, {"unused": 0}, "cpu", out)
