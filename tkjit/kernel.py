@@ -215,7 +215,7 @@ class CompiledKernel:
         if device.type == "cuda" and device.index not in self._checked_devices:
             self._check_device(device)
         if all(v != 0 for v in sizes.values()):  # an empty batch launches nothing
-            tensors = [t for t, a in zip(inputs, self._in) if a.present]
+            tensors = inputs if self._simple else [t for t, a in zip(inputs, self._in) if a.present]
             if any(t.requires_grad for t in tensors):
                 # A kernel call is not an autograd op (tkjit.autograd wraps the pairs that are);
                 # DLPack export refuses tensors that require grad.
