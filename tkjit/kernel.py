@@ -153,8 +153,9 @@ class CompiledKernel:
         return self.spec.name
 
     def __call__(self, *args, out=None, **kw):
-        """Run on the input tensors (None for an optional input this variant does not take), then the
-        spec's scalars (positional or by name); a caller-sized output's size by name (or read off `out=`).
+        """Run on the input tensors, then the spec's scalars, positionally or by name (an optional input
+        this variant does not take is left out, or passed as None by name); a caller-sized output's size
+        by name (or read off `out=`).
         Returns the inout inputs then the outputs (one tensor, or a tuple when there are several).
 
         An empty batch (a runtime size of 0) launches nothing: outputs come back with their shapes,
