@@ -36,6 +36,20 @@ def cache_dir(tmp_path, monkeypatch):
     tkjit.reset()
 
 
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """One private cache for a test module: a kernel one test compiles (seconds on the C target) serves
+    the others. Modules that want it: `pytestmark = pytest.mark.usefixtures("module_cache")`."""
+    import tkjit
+
+    with pytest.MonkeyPatch.context() as mp:
+        d = tmp_path_factory.mktemp("module-cache") / "cache"
+        mp.setenv("TKJIT_CACHE_DIR", str(d))
+        tkjit.reset()
+        yield d
+    tkjit.reset()
+
+
 @pytest.fixture(autouse=True)
 def _no_user_cache(tmp_path_factory, monkeypatch):
     # Tests never touch the developer's real cache.

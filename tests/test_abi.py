@@ -5,7 +5,6 @@ batches (no launch, right-shaped outputs) for every kernel that runs on the C ta
 cross-compile for sm_90a with the ABI recorded; tests/gpu/test_gpu_abi.py runs them on a GPU."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,18 +19,7 @@ from tkjit.spec import ScalarArg, TensorArg
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import abi_specs  # noqa: E402  (registers axpy_inplace and bincount_scaled)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _module_cache(tmp_path_factory):
-    old = os.environ.get("TKJIT_CACHE_DIR")
-    os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("abi") / "cache")
-    tkjit.reset()
-    yield
-    tkjit.reset()
-    if old is None:
-        os.environ.pop("TKJIT_CACHE_DIR", None)
-    else:
-        os.environ["TKJIT_CACHE_DIR"] = old
+pytestmark = pytest.mark.usefixtures("module_cache")  # one cache: each kernel compiles once
 
 
 def _meta(k):

@@ -4,7 +4,6 @@ input; other layouts and rows that do not start on the kernel's vector width are
 the argument. transpose runs on the C target here; per_token_cast is cross-compiled for sm_90a."""
 
 import json
-import os
 import re
 
 import pytest
@@ -16,19 +15,7 @@ import tkjit.ops
 from kernel_specs.transpose import transpose as tmod
 from tkjit import loader
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _module_cache(tmp_path_factory):
-    """One cache for the module: the kernels compiled by one test serve the others."""
-    old = os.environ.get("TKJIT_CACHE_DIR")
-    os.environ["TKJIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("strided") / "cache")
-    tkjit.reset()
-    yield
-    tkjit.reset()
-    if old is None:
-        os.environ.pop("TKJIT_CACHE_DIR", None)
-    else:
-        os.environ["TKJIT_CACHE_DIR"] = old
+pytestmark = pytest.mark.usefixtures("module_cache")  # one cache: each kernel compiles once
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
