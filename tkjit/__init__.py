@@ -11,6 +11,7 @@ from tkjit.errors import (
     CacheError,
     CompileError,
     ConfigError,
+    JitDisabledError,
     LaunchError,
     ShapeError,
     SpecError,
@@ -26,8 +27,33 @@ from tkjit.version import __version__
 __all__ = [
     "get", "reset", "register", "get_spec", "all_specs", "Align", "KernelSpec", "Param", "Static", "Runtime",
     "TensorArg", "Tolerance", "TkjitError", "SpecError", "UnknownKernelError", "ShapeError", "ConfigError",
-    "TensorError", "CompileError", "CacheError", "LaunchError", "TuningDBError", "__version__",
+    "TensorError", "CompileError", "JitDisabledError", "CacheError", "LaunchError", "TuningDBError", "__version__",
 ]
+
+
+def _log_from_env() -> None:
+    """TKJIT_LOG set at first import: one stderr handler on the `tkjit` logger at that level (never otherwise)."""
+    import logging
+    import os
+
+    from tkjit import envs
+
+    if not os.environ.get(envs.LOG.name):
+        return
+    try:
+        level = envs.log_level()
+    except ConfigError:
+        return  # the tkjit command reports the typo; a library import must not fail on it
+    logger = logging.getLogger("tkjit")
+    logger.setLevel(level)
+    if not any(getattr(h, "_tkjit_env", False) for h in logger.handlers):
+        h = logging.StreamHandler()
+        h._tkjit_env = True  # type: ignore[attr-defined]
+        h.setFormatter(logging.Formatter("tkjit: %(levelname)s: %(message)s"))
+        logger.addHandler(h)
+
+
+_log_from_env()
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ cache, compile on a miss) -> loader -> CompiledKernel.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,6 +22,8 @@ from tkjit.tuning_db import choose_config
 _memo: dict[tuple, CompiledKernel] = {}  # exact get() arguments -> kernel (the hot path)
 _by_key: dict[str, Callable[..., Any]] = {}  # cache key -> loaded launcher (one dlopen per binary)
 _lock = threading.Lock()
+_chosen: set[tuple] = set()  # (kernel, shape bucket, arch) whose config choice was logged
+log = logging.getLogger("tkjit.api")
 
 
 def reset() -> None:
@@ -70,6 +73,14 @@ def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -
     arch = resolve_arch(arch)
     cfg, source = choose_config(spec, full, arch, config)
     static = spec.static_shape(full)
+    try:
+        ident = (name, tuple(sorted(spec.bucket(full).items())), arch)
+    except Exception:  # a spec whose bucket cannot be computed: the static shape stands in
+        ident = (name, tuple(sorted(static.items())), arch)
+    with _lock:
+        first, _ = ident not in _chosen, _chosen.add(ident)
+    if first:
+        log.info("config for %s %s [%s]: %s (%s)", name, dict(ident[1]), arch, cfg, source)
     entry, key = ensure_entry(spec, static, cfg, arch, source)
     with _lock:
         launch = _by_key.get(key)

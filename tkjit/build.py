@@ -6,19 +6,28 @@ The compiler (TileLang) is imported only inside a build, so a hit never loads it
 
 from __future__ import annotations
 
+import logging
 import shutil
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
 
+from tkjit import envs
 from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed
-from tkjit.errors import CacheError
+from tkjit.errors import CacheError, JitDisabledError
 from tkjit.fs import private_tempdir
 from tkjit.key import key_material, key_of
 from tkjit.spec import KernelSpec
 
+log = logging.getLogger("tkjit.build")
+
 _cache: Cache | None = None
 _warned_readonly = False
+_seen_keys: set[str] = set()  # keys this process has served (a disk hit is logged on the first only)
+_printed: set[tuple] = set()  # (kernel, static shape, arch) whose config TKJIT_PRINT_CONFIGS printed
+_seen_lock = threading.Lock()
 
 
 def cache() -> Cache:
@@ -40,16 +49,39 @@ def entry_key(spec: KernelSpec, static: dict, cfg: dict, arch: str) -> tuple[str
     return key_of(material), material
 
 
+def _compact(d: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in d.items())
+
+
+def print_config(spec: KernelSpec, static: dict, cfg: dict, arch: str, source: str) -> None:
+    """TKJIT_PRINT_CONFIGS=1: the config each new (kernel, static shape, arch) gets, once, to stderr."""
+    if not envs.flag(envs.PRINT_CONFIGS):
+        return
+    ident = (spec.name, tuple(sorted(static.items())), arch)
+    with _seen_lock:
+        if ident in _printed:
+            return
+        _printed.add(ident)
+    print(f"tkjit: {spec.name} {_compact(static)} [{arch}]: config {_compact(cfg)} ({source})",
+          file=sys.stderr, flush=True)
+
+
 def ensure_entry(
-    spec: KernelSpec, static: dict, cfg: dict, arch: str, source: str = "explicit", *, pin: bool = True
+    spec: KernelSpec, static: dict, cfg: dict, arch: str, source: str = "explicit", *, pin: bool = True,
+    report: dict | None = None,
 ) -> tuple[Entry, str]:
     """The verified cache entry for this variant, compiled and published if absent.
 
     pin: mark the entry in use by this process (eviction skips it) before it is verified, so it
     cannot be pruned between verification and loading. A cache that cannot be written (read-only
     or full disk) still serves the kernel, built into a private temp dir, with one warning.
+    report: if given, report["built"] is set to whether this call compiled the variant.
+    TKJIT_DISABLE_JIT=1: a miss raises JitDisabledError instead of compiling.
     """
     key, material = entry_key(spec, static, cfg, arch)
+    built: list[float] = []
+    if report is not None:
+        report["built"] = False
     meta = {
         "kernel": spec.name,
         "family": spec.family,
@@ -64,8 +96,14 @@ def ensure_entry(
     build_error: list[BaseException] = []
 
     def build(staging: Path) -> dict:
+        if envs.flag(envs.DISABLE_JIT):
+            raise JitDisabledError(
+                f"{spec.name} {_compact(static)} config {_compact(cfg)} ({source}) for {arch} is not in the "
+                f"cache and {envs.DISABLE_JIT.name}=1 forbids compiling it (fill the cache with `tkjit compile`)"
+            )
         from tkjit.compiler import compile_to_dir  # imports TileLang: only on a miss
 
+        log.debug("compiling %s key %s material %s", spec.name, key, material)
         t0 = time.perf_counter()
         try:
             extra = compile_to_dir(spec, static, cfg, arch, staging)
@@ -73,8 +111,27 @@ def ensure_entry(
             build_error.append(e)
             raise
         extra["compile_s"] = round(time.perf_counter() - t0, 3)
+        built.append(extra["compile_s"])
+        if report is not None:
+            report["built"] = True
+        log.info("compiled %s shape %s config %s (%s) in %.1f s, key %s",
+                 spec.name, _compact(static), _compact(cfg), source, extra["compile_s"], key[:12])
         return extra
 
+    print_config(spec, static, cfg, arch, source)
+    entry, key = _ensure(key, meta, build, expect, build_error, pin)
+    with _seen_lock:
+        first = key not in _seen_keys
+        _seen_keys.add(key)
+    if first and not built:
+        log.info("loaded %s shape %s config %s (%s) from the cache, key %s",
+                 spec.name, _compact(static), _compact(cfg), source, key[:12])
+    if first:
+        log.debug("entry %s: %s", key, entry.path)
+    return entry, key
+
+
+def _ensure(key: str, meta: dict, build, expect: dict, build_error: list, pin: bool) -> tuple[Entry, str]:
     c = cache()
     try:
         if pin:

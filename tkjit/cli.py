@@ -148,6 +148,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_compile(args) -> int:
+    from tkjit import envs
     from tkjit.arch import resolve_arch
     from tkjit.canon import canonical_json
     from tkjit.pool import compile_many
@@ -156,6 +157,8 @@ def cmd_compile(args) -> int:
 
     # The arguments first: a usage error is reported before any lookup or environment problem.
     cfg_in = parse_kv(args.config, "config") if args.config else None
+    if envs.flag(envs.DISABLE_JIT):
+        raise TkjitError(f"{envs.DISABLE_JIT.name}=1 forbids compiling: unset it to fill the cache")
     if args.all_defaults:
         specs = [get_spec(n) for n in args.name] if args.name else all_specs()
         shapes = [(s, s.canonical_shape(ex)) for s in specs for ex in s.examples]
@@ -176,11 +179,30 @@ def cmd_compile(args) -> int:
             jobs.append(job)
     print(f"compiling {len(jobs)} kernel(s) for {arch} with {args.jobs or 'all'} jobs ...", flush=True)
     failed = 0
-    for job, (key, err) in zip(jobs, compile_many(jobs, args.jobs)):
-        status = f"ok {key[:12]}" if err is None else f"FAILED: {err}"
+    results = compile_many(jobs, args.jobs)
+    for job, res in zip(jobs, _progress(results)):
+        key, err = res
+        if err is not None:
+            status = f"FAILED: {err}"
+        elif getattr(res, "built", False):
+            secs = getattr(res, "compile_s", None)
+            status = f"ok built {key[:12]}" + (f" ({secs:.1f} s)" if secs is not None else "")
+        else:
+            status = f"ok cached {key[:12]}"
         failed += err is not None
         print(f"  {job[0]} {_compact(job[1])} {_compact(job[2])}: {status}")
     return 1 if failed else 0
+
+
+def _progress(results: list) -> Iterable:
+    """A tqdm bar over the results when tqdm is installed and stderr is a terminal; else as is."""
+    if len(results) < 2 or not sys.stderr.isatty():
+        return results
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return results
+    return tqdm(results, file=sys.stderr, leave=False)
 
 
 def cmd_clear(args) -> int:
@@ -287,8 +309,33 @@ def _jobs_arg(text: str) -> int:
     return n
 
 
+def version_line() -> str:
+    """`tkjit <version> (tilelang <v>, torch <v>)`, read without importing tilelang or torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tkjit.key import tilelang_version
+    from tkjit.version import __version__
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "none"
+    return f"tkjit {__version__} (tilelang {tilelang_version()}, torch {torch})"
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest, **kw) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        print(version_line())
+        sys.stdout.flush()
+        raise SystemExit(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="tkjit", description=__doc__)
+    ap.add_argument("--version", action=_VersionAction, help="print tkjit's version (and tilelang's, torch's)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("specs", help="the kernel catalog: shape params, space, default")
     p.add_argument("name", nargs="*")
@@ -337,6 +384,8 @@ def _setup_logging() -> None:
     from tkjit import envs
 
     log.setLevel(envs.log_level())
+    for h in [h for h in log.handlers if getattr(h, "_tkjit_env", False)]:  # import's handler: ours replaces it
+        log.removeHandler(h)
     if not any(isinstance(h, _StderrHandler) for h in log.handlers):  # main() may run many times
         log.addHandler(_StderrHandler())
 

@@ -32,10 +32,22 @@ NVCC = EnvVar("TKJIT_NVCC", None, "nvcc to use and key on (default: CUDA_HOME/bi
 NO_TUNED_DB = EnvVar("TKJIT_NO_TUNED_DB", "0", "1: ignore tuned databases, serve heuristic defaults")
 GPU_NAME = EnvVar("TKJIT_GPU_NAME", None, "GPU model for tuning-DB lookup (default: the current GPU)")
 TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "shipped tuning DB directory (default: tkjit/tuning_db_data, package data)")
-LOG = EnvVar("TKJIT_LOG", "warning", "tkjit command log level: debug (errors with tracebacks), info, warning, error")
+LOG = EnvVar(
+    "TKJIT_LOG", "warning",
+    "log level of the `tkjit` logger: debug (key material, entry paths; errors with tracebacks), info (one line "
+    "per compile, per first disk hit, per tuned-DB choice), warning, error. The tkjit command logs to stderr at "
+    "this level; a library user setting it before `import tkjit` gets one stderr handler at that level "
+    "(unset: tkjit configures no handler)",
+)
+PRINT_CONFIGS = EnvVar("TKJIT_PRINT_CONFIGS", "0", "1: print (stderr) the config each new kernel shape gets, once")
+DISABLE_JIT = EnvVar(
+    "TKJIT_DISABLE_JIT", "0",
+    "1: serve only cached kernels; a miss raises JitDisabledError (`tkjit compile` refuses to run)",
+)
 
 REGISTRY: tuple[EnvVar, ...] = (
     CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, TUNING_DB, LOG,
+    PRINT_CONFIGS, DISABLE_JIT,
 )
 
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

@@ -56,6 +56,10 @@ class CompileError(TkjitError):
     """TileLang or nvcc failed to build a variant."""
 
 
+class JitDisabledError(CompileError):
+    """TKJIT_DISABLE_JIT=1 and the variant is not in the cache."""
+
+
 class CacheError(TkjitError):
     """The on-disk cache cannot be used (permissions, ownership, lock timeout)."""
 

@@ -36,7 +36,23 @@ def default_jobs() -> int:
 
 
 Job = tuple[str, dict, dict, str, str]  # (kernel, static shape, config, arch, config source)
-Result = tuple[str | None, str | None]  # (key, error): a key only when the entry is in the cache
+
+
+class Result(tuple):
+    """(key, error): a key only when the entry is in the cache. Unpacks as a pair; also carries
+    `built` (this job compiled the variant, rather than finding it cached) and `compile_s`."""
+
+    built: bool = False
+    compile_s: float | None = None
+
+    def __new__(cls, key: str | None, error: str | None, built: bool = False, compile_s: float | None = None):
+        self = super().__new__(cls, (key, error))
+        self.built, self.compile_s = built, compile_s
+        return self
+
+    def __reduce__(self):
+        return (Result, (self[0], self[1], self.built, self.compile_s))
+
 
 def _init(imports: Sequence[str], parent: int) -> None:
     from tkjit.compiler import import_tilelang
@@ -52,14 +68,16 @@ def _compile_one(job: Job) -> Result:
     from tkjit.registry import get_spec
 
     name, static, config, arch, source = job
+    report: dict = {}
     try:
-        entry, key = ensure_entry(get_spec(name), static, config, arch, source)
+        entry, key = ensure_entry(get_spec(name), static, config, arch, source, report=report)
     except Exception as e:  # one bad config must not stop the batch
-        return None, f"{type(e).__name__}: {e}"
+        return Result(None, f"{type(e).__name__}: {e}")
     if entry.path != cache().entry_path(key):  # served from a temp dir: the disk refused it
         why = entry.meta.get("uncached_reason", "the cache refused the entry")
-        return None, f"compiled but not cached: {why}"
-    return key, None
+        return Result(None, f"compiled but not cached: {why}")
+    built = bool(report.get("built"))
+    return Result(key, None, built, entry.meta.get("compile_s") if built else None)
 
 
 def _noop() -> None:
@@ -114,7 +132,7 @@ class CompilePool:
             except BrokenProcessPool:
                 how = self._reset()
                 if attempt:
-                    return None, f"the compiler process died twice on this config ({how})"
+                    return Result(None, f"the compiler process died twice on this config ({how})")
         raise AssertionError("unreachable")
 
     def compile_iter(self, jobs: Sequence[Job]):
