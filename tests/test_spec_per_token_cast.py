@@ -38,7 +38,9 @@ def test_spec_validates(spec):
 @pytest.mark.parametrize(
     "hidden,group",
     [(7168, 128), (7168, 32), (4096, 64), (576, 32), (576, 64), (576, 576), (7168, 7168), (4096, 4096), (16, 16),
-     (65536, 65536), (1152, 1152)],
+     (65536, 65536), (1152, 1152),
+     # partial last group, and group 16
+     (576, 128), (48, 32), (64, 128), (2064, 128), (1040, 64), (7168, 16), (576, 16), (16, 128)],
 )
 def test_defaults_valid(spec, in_dtype, hidden, group):
     full = spec.canonical_shape(_shape(hidden=hidden, group=group, in_dtype=in_dtype))
@@ -48,10 +50,16 @@ def test_defaults_valid(spec, in_dtype, hidden, group):
 
 
 def test_bad_shapes(spec):
-    with pytest.raises(ShapeError, match="hidden=576 must be a multiple of group=128"):
-        spec.canonical_shape(_shape(hidden=576, group=128))
     with pytest.raises(ShapeError, match="group=48 must be one of"):
         spec.canonical_shape(_shape(hidden=576, group=48))
+    with pytest.raises(ShapeError, match="group=256 must be one of"):  # TileKernels' groups only
+        spec.canonical_shape(_shape(hidden=576, group=256))
+    with pytest.raises(ShapeError, match="'group'=8 below its minimum 16"):
+        spec.canonical_shape(_shape(hidden=64, group=8))
+    with pytest.raises(ShapeError, match="group=96 must be one of"):
+        spec.canonical_shape(_shape(hidden=192, group=96))
+    with pytest.raises(ShapeError, match="multiple of 16"):
+        spec.canonical_shape(_shape(hidden=584, group=128))  # a partial group still holds whole 16s
     with pytest.raises(ShapeError, match="in_dtype.*not allowed"):
         spec.canonical_shape(_shape(in_dtype="float16"))
     with pytest.raises(ShapeError, match="must be a str"):
@@ -84,6 +92,82 @@ def test_output_dims(spec):
     assert (s, sdt, sdims) == ("scales", "float32", (3, 56))
     assert spec.bytes_moved(full) == 3 * (7168 * 3 + 56 * 4)
     assert spec.bytes_moved({**full, "in_dtype": "float32"}) == 3 * (7168 * 5 + 56 * 4)
+
+
+@pytest.mark.parametrize(
+    "hidden,group,groups", [(576, 128, 5), (48, 32, 2), (64, 128, 1), (2064, 128, 17), (576, 16, 36), (7168, 128, 56)]
+)
+def test_partial_last_group_dims(spec, hidden, group, groups):
+    """num_groups = ceil(hidden / group), in both layouts and in the bytes moved."""
+    full = spec.canonical_shape(_shape(num_tokens=3, hidden=hidden, group=group))
+    (_, _, odims), (_, _, sdims) = spec.output_decls(full)
+    assert odims == (3, hidden) and sdims == (3, groups)
+    assert spec.bytes_moved(full) == 3 * (hidden * 3 + groups * 4)
+    cm = get_spec(COLMAJOR)
+    (_, _, odims), (_, _, sdims) = cm.output_decls(full)
+    assert odims == (3, hidden) and sdims == (groups, 4)
+    assert cm.bytes_moved(full) == 3 * hidden * 3 + groups * 4 * 4
+
+
+def test_reference_partial_last_group_hand_checked(spec):
+    """hidden 48, group 32: the second group is channels 32..47 and its amax is over those 16 only."""
+    s = spec.canonical_shape({"num_tokens": 3, "hidden": 48, "group": 32, "in_dtype": "float32"})
+    x = torch.zeros(3, 48)
+    x[0, :32] = 1000.0  # a large first group must not leak into the second
+    x[0, 32:] = torch.linspace(-14.0, 7.0, 16)  # amax 14 -> scale 14/448 = 1/32, values * 32
+    x[1, 40] = 896.0  # amax 896 -> scale 2: 896 -> 448
+    x[1, 33] = 3.0  # 3 / 2 = 1.5
+    x[2, 32:] = 1e-6  # under the clamp: amax 1e-4
+    q, sf = spec.reference(s, x)
+    assert q.shape == (3, 48) and q.is_contiguous() and sf.shape == (3, 2)
+    assert sf[0, 0].item() == (torch.tensor(1000.0) / torch.tensor(448.0)).item() and q[0, 0].float().item() == 448.0
+    assert sf[0, 1].item() == 14.0 / 448.0
+    assert q[0, 32].float().item() == -448.0 and q[0, 47].float().item() == 224.0
+    assert sf[1, 0].item() == torch.tensor(1e-4) / torch.tensor(448.0)  # an all-zero whole group
+    assert sf[1, 1].item() == 2.0 and q[1, 40].float().item() == 448.0 and q[1, 33].float().item() == 1.5
+    assert sf[2, 1].item() == torch.tensor(1e-4) / torch.tensor(448.0)
+    assert q[2, 32].float().item() == 4.5  # 1e-6 * 448 / 1e-4 = 4.48 -> nearest e4m3 4.5
+    # The partial group gives the same values as a 16-wide group over the same channels would.
+    s16 = spec.canonical_shape({"num_tokens": 3, "hidden": 16, "group": 16, "in_dtype": "float32"})
+    q16, sf16 = spec.reference(s16, x[:, 32:].contiguous())
+    assert torch.equal(sf[:, 1:], sf16) and torch.equal(q[:, 32:].view(torch.uint8), q16.view(torch.uint8))
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+@pytest.mark.parametrize("hidden,group", [(576, 128), (2064, 128), (1040, 64), (48, 32), (64, 128), (576, 16)])
+def test_reference_partial_matches_group_by_group(spec, hidden, group, round_scale):
+    """Every group, whole or partial, is quantised on its own: the reference equals a cast of each
+    group's channels as a group == width shape (a hand-rolled, per-group path)."""
+    s = spec.canonical_shape({"num_tokens": 9, "hidden": hidden, "group": group, "round_scale": round_scale})
+    (x,) = spec.make_inputs(s, "cpu", 2)
+    q, sf = spec.reference(s, x)
+    ng = -(-hidden // group)
+    assert sf.shape == (9, ng)
+    for j in range(ng):
+        part = x[:, j * group:(j + 1) * group].contiguous()
+        w = part.shape[1]
+        pq, psf = spec.reference({**s, "hidden": w, "group": w}, part)
+        assert torch.equal(sf[:, j:j + 1].view(torch.int32), psf.view(torch.int32))
+        assert torch.equal(q[:, j * group:j * group + w].view(torch.uint8), pq.view(torch.uint8))
+
+
+def test_colmajor_reference_partial_last_group(spec):
+    cm = get_spec(COLMAJOR)
+    s = cm.canonical_shape({"num_tokens": 7, "hidden": 576, "group": 128, "in_dtype": "float32"})
+    (x,) = cm.make_inputs(s, "cpu", 4)
+    q, storage = cm.reference(s, x)
+    q_row, sf_row = spec.reference(s, x)
+    assert storage.shape == (5, 8) and torch.equal(storage[:, :7].T, sf_row) and (storage[:, 7:] == 0).all()
+    assert torch.equal(q.view(torch.uint8), q_row.view(torch.uint8))
+
+
+def test_group_16(spec):
+    s = spec.canonical_shape({"num_tokens": 2, "hidden": 64, "group": 16, "in_dtype": "float32"})
+    x = torch.arange(128, dtype=torch.float32).view(2, 64) - 40.0
+    q, sf = spec.reference(s, x)
+    assert sf.shape == (2, 4)
+    amax = x.abs().view(2, 4, 16).amax(-1).clamp(min=1e-4)
+    assert torch.equal(sf, amax / torch.full_like(amax, 448.0))
 
 
 def test_reference_hand_checked(spec):
@@ -272,6 +356,18 @@ def test_ops_col_major_view(monkeypatch, n):
         (COLMAJOR, {"hidden": 576, "group": 576, "round_scale": True}, None),  # cross-warp reduction
         (COLMAJOR, {"hidden": 576, "group": 32, "in_dtype": "float32"}, {"vec": 4, "group_threads": 2,
                                                                           "threads": 128, "iters": 4}),
+        # partial last group (hidden % group != 0) and group 16
+        (NAME, {"hidden": 576, "group": 128}, None),
+        (NAME, {"hidden": 576, "group": 128, "in_dtype": "float32", "round_scale": True},
+         {"vec": 4, "group_threads": 8, "threads": 256, "iters": 4}),
+        (NAME, {"hidden": 48, "group": 32}, {"vec": 8, "group_threads": 4, "threads": 128, "iters": 1}),  # all guarded
+        (NAME, {"hidden": 64, "group": 128}, None),  # one partial group per token
+        (NAME, {"hidden": 7168, "group": 16}, None),
+        (NAME, {"hidden": 576, "group": 16, "in_dtype": "float32"}, {"vec": 4, "group_threads": 4, "threads": 128,
+                                                                      "iters": 1}),
+        (COLMAJOR, {"hidden": 576, "group": 128}, None),
+        (COLMAJOR, {"hidden": 2064, "group": 128, "in_dtype": "float32", "round_scale": True},
+         {"vec": 8, "group_threads": 2, "threads": 128, "iters": 1}),  # two 16-byte loads per chunk
     ],
 )
 def test_compiles_for_sm90a(cache_dir, name, shape, config):
@@ -282,3 +378,42 @@ def test_compiles_for_sm90a(cache_dir, name, shape, config):
         assert "8388607" in src or "0x7fffff" in src.lower()
     # Column-major: the value store plus the last token's padding store (zeros).
     assert src.count("scales[") == (2 if name == COLMAJOR else 1)
+    # Whole groups only: one load and one store loop, no guard. A partial last group adds a guarded
+    # loop for the chunk slots it may lack, beside the unguarded one for the slots every group fills
+    # (when there are any); with hidden < group no group fills the guarded slots and they compile away.
+    h, g, c = shape["hidden"], shape["group"], k.config
+    tail = h % g
+    whole = (tail // c["vec"]) // c["group_threads"]
+    sites = 2 if tail and whole and h > g else 1
+    assert src.count("(x + ") == sites and src.count("(out + ") == sites
+
+
+@pytest.mark.parametrize("n", [0, 5])
+def test_fake_impls_partial_last_group(n):
+    """torch.compile's fake implementations give ceil(hidden / group) scales, as the kernels do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import tkjit.ops  # noqa: F401  (registers torch.ops.tkjit)
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(n, 576, dtype=torch.bfloat16))
+        q, s = torch.ops.tkjit.per_token_cast(x, 128)
+        _, storage = torch.ops.tkjit.per_token_cast_colmajor(x, 16)
+        q2, s2 = tkjit.ops.per_token_cast(x, 128, col_major_scales=True)
+    assert q.shape == (n, 576) and s.shape == (n, 5) and s.dtype == torch.float32
+    assert storage.shape == (36, -(-n // 4) * 4)
+    assert q2.shape == (n, 576) and s2.shape == (n, 5)
+
+
+@pytest.mark.parametrize("name", [NAME, COLMAJOR])
+def test_partial_last_group_allocates_and_checks_scales(name):
+    """The launcher allocates ceil(hidden / group) scale columns and refuses a hidden // group buffer."""
+    spec = get_spec(name)
+    k = _fake_kernel(spec, {"num_tokens": 5, "hidden": 576, "group": 128})
+    x = torch.randn(5, 576, dtype=torch.bfloat16)
+    q, s = k(x)
+    assert q.shape == (5, 576) and s.shape == ((5, 5) if name == NAME else (5, 8))
+    out = torch.empty(5, 576, dtype=torch.float8_e4m3fn)
+    short = torch.empty(5, 4) if name == NAME else torch.empty(4, 8)
+    with pytest.raises(tkjit.TensorError, match="must be 5"):
+        k(x, out=(out, short))

@@ -78,8 +78,11 @@ def per_token_cast(
 ):
     """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales per `group` channels).
 
-    scales is (num_tokens, hidden // group) either way. col_major_scales: it is the strided view
-    storage[:, :num_tokens].T of a TMA-aligned column-major (hidden // group, align(num_tokens, 4))
+    group is 16, 32, 64, 128 or hidden; hidden is a multiple of 16 but need not be one of group: a
+    token has num_groups = ceil(hidden / group) scales, the last one over the partial last group's
+    channels only (hidden 576, group 128: five scales, the fifth over channels 512..575).
+    scales is (num_tokens, num_groups) either way. col_major_scales: it is the strided view
+    storage[:, :num_tokens].T of a TMA-aligned column-major (num_groups, align(num_tokens, 4))
     buffer (strides (1, align(num_tokens, 4)); padding holds 0), the layout DeepGEMM consumes and
     TileKernels' `use_tma_aligned_col_major_sf` returns.
     """

@@ -193,11 +193,12 @@ def _fake_cast(name, x, group, round_scale):
     hidden = int(x.shape[1])
     _fake_check(name, {"hidden": hidden, "group": group, "in_dtype": dtype_name(x.dtype),
                        "round_scale": round_scale}, x)
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), hidden // group
+    # ceil(hidden / group) scales per token: the last group is partial when group does not divide hidden
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), -(-hidden // group)
 
 
 def per_token_cast_impl(x, group=128, round_scale=False, config=None):
-    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales (num_tokens, hidden // group))."""
+    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales (num_tokens, ceil(hidden / group)))."""
     return _cast("per_token_cast", x, group, round_scale, config)
 
 
@@ -213,7 +214,8 @@ def _(x, group=128, round_scale=False, config=None):
 
 
 def per_token_cast_colmajor_impl(x, group=128, round_scale=False, config=None):
-    """per_token_cast with the scales' TMA-aligned column-major storage (hidden // group, align(num_tokens, 4))."""
+    """per_token_cast with the scales' TMA-aligned column-major storage (ceil(hidden / group),
+    align(num_tokens, 4))."""
     return _cast("per_token_cast_colmajor", x, group, round_scale, config)
 
 

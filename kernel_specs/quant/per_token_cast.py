@@ -1,17 +1,20 @@
 """per_token_cast: x (num_tokens, hidden) bf16/f32 -> FP8 e4m3 values + one float32 scale per group.
 
-For every token and every run of `group` channels (group in {32, 64, 128} or group == hidden):
+For every token and every run of `group` channels (group in {16, 32, 64, 128} or group == hidden):
     amax  = max(|x|) over the group, clamped to >= 1e-4
     scale = amax / 448                      (IEEE division; the dequantisation factor, stored)
     round_scale: scale = 2^ceil(log2(scale)) (UE8M0: exponent rounded up), inv = 1 / scale
     else:        inv = 448 / amax
     out   = fp8_e4m3(clamp(x * inv, -448, 448))   (round to nearest even)
+hidden need not be a multiple of group (it is one of 16): a token has num_groups = ceil(hidden / group)
+groups and the last one is partial, e.g. hidden 576, group 128: four groups of 128 and one of 64, whose
+amax is over its 64 real channels (TileKernels does the same).
 Semantics follow TileKernels' `per_token_cast` (e4m3) and its torch reference `cast`; the kernel is
 bit-exact against the reference below for finite inputs (inf/NaN inputs are not supported: the
 kernel's clamp turns a NaN product into 448 where torch keeps NaN).
 
 Two specs share this file and one builder; they differ only in how the scales are stored:
-  per_token_cast           scales (num_tokens, num_groups), row-major; num_groups = hidden // group.
+  per_token_cast           scales (num_tokens, num_groups), row-major; num_groups = ceil(hidden / group).
   per_token_cast_colmajor  scales stored column-major and TMA-aligned, the layout DeepGEMM consumes
                            (TileKernels' `use_tma_aligned_col_major_sf`): storage (num_groups, T4),
                            T4 = align(num_tokens, 4), so every group's column starts on 16 bytes;
@@ -34,12 +37,18 @@ should merge them before DRAM (not yet measured on the H200).
 x may be a view with a runtime row stride, e.g. `buf[:, :hidden]` of a wider buffer (its rows starting
 on the chunk width, `x_align`); one binary serves every stride. out and scales are contiguous.
 
-The whole tensor is a sequence of num_tokens * hidden / group contiguous groups. A group is owned by
+The whole tensor is a sequence of num_tokens * num_groups contiguous groups. A group is owned by
 `group_threads` consecutive threads; thread t of a group loads chunks i * group_threads + t of `vec`
 consecutive elements (16-byte loads for bf16 x 8 / f32 x 4; neighbouring threads and neighbouring
 groups are adjacent, so every warp load is one contiguous span). The group max is a register max,
 a shuffle butterfly, and for groups wider than a warp a shared-memory step. x is read once from
 DRAM and kept in registers until it is cast.
+
+A partial last group (hidden % group != 0, known when the kernel is built) runs the same code on a
+group's worth of threads: the chunk slots that every group fills are loaded and stored unguarded,
+the others only where the chunk lies inside the row (both hidden and group are multiples of 16, so
+a chunk is either wholly inside or wholly outside); a missing chunk counts as zeros in the amax. The
+guard is generated only for such shapes: when group divides hidden the code is the same as without it.
 """
 
 import torch
@@ -47,7 +56,7 @@ import torch
 from tkjit.registry import register
 from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 
-GROUPS = (32, 64, 128)
+GROUPS = (16, 32, 64, 128)  # TileKernels' per-group sizes (besides group == hidden)
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
 TMA_ALIGN = 4  # float32 scales per 16 bytes (TileKernels' alloc_scaling_factors: align(tokens, 4) for f32)
@@ -95,8 +104,6 @@ def check_shape(shape):
     h, g = shape["hidden"], shape["group"]
     if g not in GROUPS and g != h:
         return f"group={g} must be one of {list(GROUPS)} or equal to hidden={h}"
-    if h % g:
-        return f"hidden={h} must be a multiple of group={g}"
     if h % 16:
         return f"hidden={h} must be a multiple of 16 (16-byte vector loads and stores)"
     if not _valid(shape):
@@ -145,8 +152,12 @@ def _build(shape, c, col_major):
 
     H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
     vec, tpg, threads, iters = c["vec"], c["group_threads"], c["threads"], c["iters"]
-    NG = H // G
+    NG = -(-H // G)  # groups per token; the last one is partial when group does not divide hidden
     cpt = G // (vec * tpg)  # chunks per thread
+    tail = H % G  # channels of a partial last group (0: every group is whole); a multiple of 16
+    # Chunk slots i < whole are inside every group, the last included: they load and store unguarded.
+    # The partial group has tail // vec chunks; slot i holds chunks [i * tpg, (i + 1) * tpg).
+    whole = cpt if not tail else (tail // vec) // tpg
     per_thread = cpt * vec
     slots = threads // tpg  # groups a block works on at once
     gpb = slots * iters  # groups per block
@@ -185,9 +196,20 @@ def _build(shape, c, col_major):
                 pc = T.min(p, total - 1)  # tail threads redo the last group, store nothing
                 row = pc // NG
                 col = (pc % NG) * G
-                for i in T.unroll(cpt):
+                for i in T.unroll(whole):
                     for v in T.vectorized(vec):
                         xs[i * vec + v] = x[row, col + (i * tpg + t) * vec + v]
+                if tail:
+                    # Chunks a partial last group may lack: a row's last group loads only its real
+                    # channels (never a strided view's neighbours, never past the end of x); the
+                    # missing ones count as 0, which leaves the amax of |x| unchanged.
+                    for i in T.unroll(whole, cpt):
+                        if col + (i * tpg + t) * vec < H:
+                            for v in T.vectorized(vec):
+                                xs[i * vec + v] = x[row, col + (i * tpg + t) * vec + v]
+                        else:
+                            for v in T.vectorized(vec):
+                                xs[i * vec + v] = T.cast(0, in_dtype)
                 amax[0] = T.float32(0)
                 for e in T.unroll(per_thread):
                     amax[0] = T.max(amax[0], T.abs(T.cast(xs[e], f32)))
@@ -212,7 +234,7 @@ def _build(shape, c, col_major):
                 else:
                     inv[0] = T.ieee_fdiv(T.float32(FP8_MAX), amax[0])
                 if p < total:
-                    for i in T.unroll(cpt):
+                    for i in T.unroll(whole):
                         for v in T.vectorized(vec):
                             out[row, col + (i * tpg + t) * vec + v] = T.cast(
                                 T.max(
@@ -221,6 +243,17 @@ def _build(shape, c, col_major):
                                 ),
                                 fp8,
                             )
+                    if tail:  # the same stores, only for the real channels of a partial last group
+                        for i in T.unroll(whole, cpt):
+                            if col + (i * tpg + t) * vec < H:
+                                for v in T.vectorized(vec):
+                                    out[row, col + (i * tpg + t) * vec + v] = T.cast(
+                                        T.max(
+                                            T.min(T.cast(xs[i * vec + v], f32) * inv[0], T.float32(FP8_MAX)),
+                                            T.float32(-FP8_MAX),
+                                        ),
+                                        fp8,
+                                    )
                     if t == 0:
                         if col_major:
                             scales[pc % NG, row] = sf[0]
@@ -246,9 +279,18 @@ def make_inputs(shape, device="cpu", seed=0):
     return (x.to(getattr(torch, shape["in_dtype"])).to(device),)
 
 
+def num_groups(shape) -> int:
+    """Scales per token: ceil(hidden / group); the last group is partial when group does not divide hidden."""
+    return -(-shape["hidden"] // shape["group"])
+
+
 def reference(shape, x):
     n, h, g = x.shape[0], shape["hidden"], shape["group"]
-    xf = x.float().view(n, h // g, g)
+    ng = num_groups(shape)
+    # A partial last group is padded with zeros: |0| never raises a max of |x| >= 0, so its amax is
+    # over its real channels only (TileKernels' reference masks the padding out); the padding's
+    # values are cut off again below.
+    xf = torch.nn.functional.pad(x.float(), (0, ng * g - h)).view(n, ng, g)
     amax = xf.abs().amax(-1, keepdim=True).clamp(min=AMAX_MIN)
     full = torch.full_like(amax, FP8_MAX)
     sf = amax / full
@@ -257,8 +299,8 @@ def reference(shape, x):
         inv = torch.ones_like(sf) / sf
     else:
         inv = full / amax
-    q = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, h)
-    return q, sf.view(n, h // g)
+    q = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, ng * g)[:, :h].contiguous()
+    return q, sf.view(n, ng)
 
 
 def reference_colmajor(shape, x):
@@ -275,7 +317,7 @@ def pass_configs(c):
 
 
 def _bytes_moved(s, col_major=False):
-    n, h, ng = s["num_tokens"], s["hidden"], s["hidden"] // s["group"]
+    n, h, ng = s["num_tokens"], s["hidden"], num_groups(s)
     sf_rows = -(-n // TMA_ALIGN) * TMA_ALIGN if col_major else n
     return n * h * (_elem_bytes(s) + 1) + ng * sf_rows * 4
 
@@ -283,7 +325,7 @@ def _bytes_moved(s, col_major=False):
 PARAMS = (
     Runtime("num_tokens", hi=1 << 24, doc="tokens; runtime size, tuned per power-of-two bucket"),
     Static("hidden", lo=16, hi=65536, default=7168, doc="channels per token"),
-    Static("group", lo=16, hi=65536, default=128, doc="channels per scale: 32, 64, 128 or hidden"),
+    Static("group", lo=16, hi=65536, default=128, doc="channels per scale: 16, 32, 64, 128 or hidden"),
     Static("in_dtype", type=str, values=("bfloat16", "float32"), default="bfloat16"),
     Static("round_scale", type=bool, default=False, doc="round scales up to powers of two (UE8M0)"),
 )
@@ -313,7 +355,7 @@ SPEC = register(
         name="per_token_cast",
         doc="per-token, per-group FP8 e4m3 cast with float32 scales (amax / 448), scales row-major",
         build=build,
-        outputs=(_OUT, TensorArg("scales", "float32", ("num_tokens", lambda s: s["hidden"] // s["group"]))),
+        outputs=(_OUT, TensorArg("scales", "float32", ("num_tokens", num_groups))),
         reference=reference,
         bytes_moved=_bytes_moved,
         examples=EXAMPLES,
@@ -328,7 +370,7 @@ SPEC_COLMAJOR = register(
         build=build_colmajor,
         outputs=(
             _OUT,
-            TensorArg("scales", "float32", (lambda s: s["hidden"] // s["group"], Align("num_tokens", TMA_ALIGN))),
+            TensorArg("scales", "float32", (num_groups, Align("num_tokens", TMA_ALIGN))),
         ),
         reference=reference_colmajor,
         bytes_moved=lambda s: _bytes_moved(s, col_major=True),
