@@ -1,4 +1,5 @@
-"""per_token_cast(_colmajor) on the GPU: the default and every config of the space, bit-exact, poisoned outputs."""
+"""per_token_cast(_colmajor) on the GPU: the default and every config of the space, bit-exact, poisoned outputs;
+whole and partial last groups (hidden % group != 0), groups 16 to hidden."""
 
 import pytest
 import torch
@@ -23,6 +24,17 @@ STATIC = [
     {"hidden": 7168, "group": 7168, "in_dtype": "float32"},
     {"hidden": 1152, "group": 1152, "in_dtype": "float32", "round_scale": True},
     {"hidden": 16, "group": 16},
+    # partial last group: num_groups = ceil(hidden / group), the last group's amax over its real channels
+    {"hidden": 576, "group": 128},
+    {"hidden": 576, "group": 128, "in_dtype": "float32"},
+    {"hidden": 576, "group": 128, "round_scale": True},
+    {"hidden": 48, "group": 32},
+    {"hidden": 64, "group": 128},  # one partial group per token
+    {"hidden": 1040, "group": 64, "in_dtype": "float32", "round_scale": True},
+    {"hidden": 2064, "group": 128, "in_dtype": "float32"},
+    # group 16
+    {"hidden": 7168, "group": 16},
+    {"hidden": 576, "group": 16, "in_dtype": "float32", "round_scale": True},
 ]
 EVERY = [
     {"hidden": 7168, "group": 128},
@@ -30,6 +42,8 @@ EVERY = [
     {"hidden": 576, "group": 576, "round_scale": True},
     {"hidden": 576, "group": 32, "in_dtype": "float32"},
     {"hidden": 4096, "group": 64, "round_scale": True},
+    {"hidden": 576, "group": 128},  # partial last group (64 channels): guarded and unguarded chunk slots
+    {"hidden": 576, "group": 16, "in_dtype": "float32"},  # group 16
 ]
 
 
@@ -108,6 +122,8 @@ def test_report_time_at_target():
 COLMAJOR = "per_token_cast_colmajor"
 COLMAJOR_DEFAULTS = [
     {"hidden": 7168, "group": 128},
+    {"hidden": 576, "group": 128},  # partial last group: 5 columns
+    {"hidden": 7168, "group": 16},
     {"hidden": 576, "group": 32},
     {"hidden": 576, "group": 576, "round_scale": True},  # one group per token (group == hidden)
 ]
@@ -119,6 +135,10 @@ COLMAJOR_CONFIGS = [  # a handful besides the defaults (not the space: the value
     ({"hidden": 576, "group": 32, "in_dtype": "float32"}, {"vec": 4, "group_threads": 8, "threads": 256,
                                                            "iters": 4}),
     ({"hidden": 576, "group": 64}, {"vec": 8, "group_threads": 2, "threads": 128, "iters": 1}),
+    # partial last group: 16 channels, two 16-byte loads per chunk; every tail slot guarded
+    ({"hidden": 2064, "group": 128, "in_dtype": "float32", "round_scale": True}, {"vec": 8, "group_threads": 2,
+                                                                                  "threads": 128, "iters": 1}),
+    ({"hidden": 48, "group": 32}, {"vec": 8, "group_threads": 4, "threads": 128, "iters": 4}),
 ]
 
 
@@ -211,6 +231,9 @@ STRIDED = [
     (1, 576, 64, "bfloat16", 448, 1),
     (65, 576, 32, "float32", 24, 3),
     (7, 4096, 4096, "float32", 32, 1),  # one group per token: cross-warp reduction
+    (4001, 576, 128, "bfloat16", 64, 1),  # partial last group
+    (65, 2064, 128, "float32", 16, 2),
+    (33, 48, 16, "bfloat16", 8, 3),  # group 16
 ]
 
 
@@ -257,3 +280,68 @@ def test_report_strided_vs_contiguous_time():
           f"{contiguous:.1f} us, .contiguous() + kernel {copy_then:.1f} us")
     q, s = kern(x)
     assert _same_bits(q, out[0]) and _same_bits(s, out[1])
+
+
+# -- partial last group (hidden % group != 0) ---------------------------------------------------------
+@pytest.mark.parametrize("name", [NAME, COLMAJOR])
+@pytest.mark.parametrize(
+    "n, hidden, group, in_dtype, config",
+    [
+        (4001, 576, 128, "bfloat16", None),
+        (7, 576, 128, "float32", {"vec": 4, "group_threads": 8, "threads": 256, "iters": 4}),
+        (65, 2064, 128, "float32", {"vec": 8, "group_threads": 2, "threads": 128, "iters": 1}),
+        (129, 48, 32, "bfloat16", {"vec": 8, "group_threads": 4, "threads": 128, "iters": 1}),
+        (3, 64, 128, "bfloat16", None),
+    ],
+)
+def test_partial_group_never_reads_past_hidden(name, n, hidden, group, in_dtype, config):
+    """x = buf[:, :hidden] of a wider buffer whose columns past hidden hold huge values, out of every
+    group's range: a partial last group that read them would get a larger amax (different scale and
+    values). Outputs are poisoned, so a store that fell outside the row's channels shows too."""
+    kern = tkjit.get(name, {"num_tokens": n, "hidden": hidden, "group": group, "in_dtype": in_dtype},
+                     config=config)
+    eb = 2 if in_dtype == "bfloat16" else 4
+    align = kern.spec.inputs[0].align_bytes(kern.shape, kern.config) // eb
+    width = hidden + -(-group // align) * align  # room for a whole group's worth of neighbours
+    buf = _wide_x(n, width, in_dtype, seed=n)
+    buf[:, hidden:] = torch.finfo(buf.dtype).max / 2
+    x = buf[:, :hidden]
+    got = kern(x, out=_poisoned_outs(kern, n))
+    ref = kern.spec.reference({**kern.shape, "num_tokens": n}, x.contiguous())
+    torch.cuda.synchronize()
+    for g, r in zip(got, ref):
+        assert _same_bits(g, r.cuda())
+
+
+def test_partial_group_scales_shapes_and_values():
+    """hidden 576, group 128: five scales per token, the fifth over channels 512..575 only."""
+    x = torch.randn(33, 576, device="cuda", dtype=torch.bfloat16)
+    x[:, :512] *= 1000  # large whole groups must not leak into the partial one
+    q, s = tkjit.ops.per_token_cast(x, 128)
+    assert q.shape == (33, 576) and s.shape == (33, 5)
+    amax = x[:, 512:].float().abs().amax(-1).clamp(min=1e-4)
+    assert torch.equal(s[:, 4], amax / torch.full_like(amax, 448.0))
+    qc, sc = tkjit.ops.per_token_cast(x, 128, col_major_scales=True)
+    assert sc.shape == (33, 5) and sc.stride() == (1, 36)
+    assert torch.equal(sc, s) and _same_bits(qc, q)
+    q16, s16 = tkjit.ops.per_token_cast(x[:, 512:].contiguous(), 64)  # the same channels as one group
+    assert torch.equal(s16[:, 0], s[:, 4]) and _same_bits(q16, q[:, 512:].contiguous())
+
+
+@pytest.mark.parametrize("hidden, group", [(576, 128), (2064, 128), (576, 16), (48, 32)])
+@pytest.mark.parametrize("col_major", [False, True])
+def test_partial_group_matches_tile_kernels(hidden, group, col_major):
+    """Where TileKernels is installed: its torch reference bit-exactly, and its kernel's layout."""
+    pytest.importorskip("tile_kernels")
+    from tile_kernels.quant import per_token_cast as tk_cast
+    from tile_kernels.torch import cast as tk_ref
+
+    x = _wide_x(4001, hidden, "bfloat16", seed=hidden)
+    q, s = tkjit.ops.per_token_cast(x, group, round_scale=col_major, col_major_scales=col_major)
+    q_ref, s_ref = tk_ref(x, "e4m3", (1, group), round_sf=col_major, use_tma_aligned_col_major_sf=col_major)
+    assert s.shape == s_ref.shape == (4001, -(-hidden // group))
+    assert torch.equal(s, s_ref) and _same_bits(q, q_ref)
+    q_tk, s_tk = tk_cast(x, "e4m3", group, use_tma_aligned_col_major_sf=col_major, round_sf=col_major)
+    assert s.shape == s_tk.shape and s.stride() == s_tk.stride()
+    assert torch.allclose(s, s_tk, rtol=1e-6, atol=0)
+    assert (q.view(torch.uint8) != q_tk.view(torch.uint8)).float().mean().item() < 1e-3
