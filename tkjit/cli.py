@@ -28,16 +28,42 @@ def parse_kv(items: Iterable[str], what: str) -> dict[str, Any]:
     """`key=value` arguments (`--shape`, `--config`) as a dict; UsageError names a bad one.
 
     Values are scalars: true/false, ints, JSON numbers and strings, else the text as a str.
+    An item may hold several pairs separated by commas (`n=4,num_tokens=4096`), so a tool's
+    one-string form and the `--shape k=v ...` form read the same: a comma followed by `key=` starts
+    a new pair (no shape param or tunable value holds one).
     """
     out: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
-            raise UsageError(f"--{what} takes key=value, got {brief(item)}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = _parse_value(v.strip(), f"--{what} {k.strip()}")
+        for part in _PAIR_SEP.split(item):
+            if "=" not in part:
+                raise UsageError(f"--{what} takes key=value, got {brief(part)}")
+            k, v = part.split("=", 1)
+            k = k.strip()
+            if not k:
+                raise UsageError(f"--{what} takes key=value, got {brief(part)} (no key)")
+            out[k] = _parse_value(v.strip(), f"--{what} {k}")
     return out
 
 
+def parse_shape(items: Iterable[str] | str) -> dict[str, Any]:
+    """The shape syntax of every tkjit tool: `--shape num_tokens=4096 n=4` (or `num_tokens=4096,n=4`).
+
+    `items` is the option's list of words, or one string. Returns {param: value}; values are parsed as
+    in `parse_kv`. UsageError names a word it cannot read.
+    """
+    return parse_kv([items] if isinstance(items, str) else items, "shape")
+
+
+def add_shape_arg(parser: argparse.ArgumentParser, *, help: str | None = None) -> None:
+    """Add the shared `--shape K=V ...` option (repeatable; read it with `parse_shape(args.shape)`)."""
+    parser.add_argument(
+        "--shape", nargs="+", action="extend", default=[], metavar="K=V",
+        help=help or "shape params, e.g. --shape num_tokens=4096 n=4 (`tkjit specs NAME` lists them)",
+    )
+
+
+# A comma starts a new pair only where a `key=` follows: a quoted string value may hold commas.
+_PAIR_SEP = re.compile(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*\s*=)")
 _INT_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
 _MAX_DIGITS = 100  # an int64 has 19; int() refuses (or takes long over) thousands
 
@@ -79,11 +105,68 @@ def _compact(d: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in d.items())
 
 
-def cmd_specs(args) -> int:
+def known_kernel(name: str):
+    """The spec called `name`; an unknown one is a TkjitError naming the closest names (did you mean)."""
+    import difflib
+
+    from tkjit.errors import UnknownKernelError
     from tkjit.registry import all_specs, get_spec
 
+    try:
+        return get_spec(name)
+    except UnknownKernelError:
+        names = sorted(s.name for s in all_specs())
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        # A prefix or part of a name (`sinkhorn`, `cast`) is a near miss difflib scores low.
+        close += [n for n in names if name and name in n and n not in close][: 3 - len(close)]
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise UnknownKernelError(f"unknown kernel {brief(name)}{hint} (known: {', '.join(names)})") from None
+
+
+def _shape_of(spec, words: list[str]) -> dict[str, Any]:
+    """The full shape from `--shape` words; a missing param's error says how to pass it."""
+    from tkjit.errors import ShapeError
+
+    given = parse_shape(words)
+    if not given and any(p.default is None for p in spec.params):
+        example = " ".join(f"{p.name}={spec.examples[0].get(p.name, 'N') if spec.examples else 'N'}"
+                           for p in spec.params if p.default is None)
+        raise UsageError(f"{spec.name} needs --shape, e.g. --shape {example} (`tkjit specs {spec.name}` lists "
+                         "the params)")
+    try:
+        return spec.canonical_shape(given)
+    except ShapeError as e:
+        missing = [p.name for p in spec.params if p.name not in given and p.default is None]
+        if not missing or "missing shape params" not in str(e):
+            raise
+        ex = {**spec.examples[0], **given} if spec.examples else {}
+        example = " ".join(f"{k}={ex.get(k, 'N')}" for k in [*given, *missing] if k in ex or k in missing)
+        raise ShapeError(f"{e}; pass them as --shape {example}") from None
+
+
+def _cli_arch(arch: str | None) -> str:
+    """resolve_arch, its errors worded for the command line."""
+    from tkjit.arch import resolve_arch
+
+    try:
+        return resolve_arch(arch)
+    except TkjitError as e:
+        raise type(e)(cli_syntax(str(e))) from None
+
+
+def cli_syntax(message: str) -> str:
+    """An API error's keyword syntax as the command's options: `arch='sm_90a'` -> `--arch sm_90a`."""
+    return _KW_RE.sub(lambda m: f"--{m.group(1)} {m.group(3)}", message)
+
+
+_KW_RE = re.compile(r"\b(arch)=(['\"]?)([A-Za-z0-9_]+)\2")
+
+
+def cmd_specs(args) -> int:
+    from tkjit.registry import all_specs
+
     for name in args.name:
-        get_spec(name)  # an unknown name is an error listing the known ones, not silently skipped
+        known_kernel(name)  # an unknown name is an error naming the near misses, not silently skipped
     for spec in all_specs():
         if args.name and spec.name not in args.name:
             continue
@@ -92,40 +175,118 @@ def cmd_specs(args) -> int:
         for p in spec.params:
             print(f"  shape  {p.describe()}")
         n_allowed = len(spec.configs(ex))
-        print(f"  space  {n_allowed} allowed configs at {ex}")
+        print(f"  space  {n_allowed} allowed configs at {_compact(ex)}")
         for k, vals in spec.space.items():
             print(f"         {k}: {list(vals)}")
-        print(f"  default at {ex}: {spec.default_config(ex)}")
+        print(f"  default at {_compact(ex)}: {_compact(spec.default_config(ex))}")
         print()
     return 0
+
+
+def _iso(ts: Any) -> Any:
+    """An epoch time as local ISO 8601 with its offset (`2026-12-03T07:55:12+00:00`); other values as is."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 < ts < 1e11:
+        return ts
+    return datetime.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+
+
+def _source(r: dict) -> str:
+    return str(r.get("config_source", r.get("status", "?")))
+
+
+def _matches(r: dict, args) -> bool:
+    import fnmatch
+
+    if args.name and not fnmatch.fnmatchcase(str(r.get("kernel", "")), args.name):
+        return False
+    if args.arch and r.get("arch") != args.arch:
+        return False
+    # --source tuned matches tuned:user, tuned:shipped and tuned:nearest(...)
+    return not args.source or _source(r) == args.source or _source(r).startswith(args.source + ":")
+
+
+def _width() -> int | None:
+    """Columns to fit: $COLUMNS, else the terminal's; None when stdout is no terminal (a pipe, a file)."""
+    import shutil
+
+    if os.environ.get("COLUMNS", "").strip().isdigit() or sys.stdout.isatty():
+        return max(40, shutil.get_terminal_size().columns)
+    return None
+
+
+def _fit(rows: list[list[str]], header: list[str], width: int | None, squeeze: Sequence[int]) -> list[list[str]]:
+    """Shorten the `squeeze` columns (widest first, ending in `…`) until the table fits `width`."""
+    if width is None or not rows:
+        return rows
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    over = sum(widths) + 2 * (len(widths) - 1) - width
+    while over > 0:
+        i = max(squeeze, key=lambda j: widths[j])
+        floor = max(len(header[i]), 8)
+        if widths[i] <= floor:
+            break
+        cut = min(over, widths[i] - floor)
+        widths[i] -= cut
+        over -= cut
+    return [[_clip(str(x), widths[j]) if j in squeeze else x for j, x in enumerate(r)] for r in rows]
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def cmd_list(args) -> int:
     from tkjit.build import cache
 
-    entries = cache().entries()
-    rows = []
-    for r in sorted(entries, key=lambda r: (r.get("kernel", ""), r.get("arch", ""))):
-        rows.append([
-            r.get("kernel", "?"), _compact(r.get("shape", {})), r.get("arch", "?"), _compact(r.get("config", {})),
-            r.get("config_source", r.get("status", "?")), _size(r.get("size", 0)), _when(r.get("last_used")),
-            r["key"][:12],
-        ])
+    if args.name and not any(c in args.name for c in "*?["):
+        known_kernel(args.name)  # a typo is an error with near misses, not an empty table
+    every = cache().entries()
+    entries = sorted((r for r in every if _matches(r, args)),
+                     key=lambda r: (str(r.get("kernel", "")), str(r.get("arch", "")), -(r.get("last_used") or 0)))
     if args.json:
-        print(json.dumps(entries, indent=1, sort_keys=True, default=str))
+        out = [{k: _iso(v) if k in ("created", "last_used") else v for k, v in r.items()} for r in entries]
+        print(json.dumps(out, indent=1, sort_keys=True, default=str))
         return 0
-    if not rows:
-        print(f"cache {cache().root} is empty")
+    if not entries:
+        what = "matching entries" if len(every) else "entries"
+        print(f"cache {cache().root} has no {what}" if len(every) else f"cache {cache().root} is empty")
         return 0
-    print(_table(rows, ["kernel", "shape", "arch", "config", "source", "size", "last used", "key"]))
-    print(f"\n{len(rows)} entries, {_size(sum(r.get('size', 0) for r in entries))} in {cache().root}")
+    header = ["kernel", "shape", "arch", "source", "size", "last used", "key"]
+    if args.wide:
+        header.insert(3, "config")
+    rows = []
+    for r in entries:
+        row = [str(r.get("kernel", "?")), _compact(r.get("shape", {})), str(r.get("arch", "?")), _source(r),
+               _size(r.get("size", 0)), _when(r.get("last_used")), r["key"] if args.wide else r["key"][:12]]
+        if args.wide:
+            row.insert(3, _compact(r.get("config", {})))
+        rows.append(row)
+    if not args.wide:
+        rows = _fit(rows, header, _width(), squeeze=[1, 3])  # shape and source give way first
+    print(_table(rows, header))
+    total = _size(sum(r.get("size", 0) for r in entries))
+    shown = f"{len(rows)} of {len(every)}" if len(rows) != len(every) else f"{len(rows)}"
+    shown += " entry" if len(every) == 1 else " entries"
+    print(f"\n{shown}, {total} in {cache().root}" + ("" if args.wide else " (--wide adds config and full key)"))
     return 0
 
 
-def cmd_show(args) -> int:
-    from tkjit.registry import get_spec
+def _served_arch(arch: str | None) -> str | None:
+    """The arch `tkjit.get` would build for (--arch, TKJIT_ARCH, the GPU); None when there is none."""
+    if arch is not None:
+        return arch
+    try:
+        return _cli_arch(None)
+    except TkjitError:
+        return None
 
-    spec = get_spec(args.name)
+
+def cmd_show(args) -> int:
+    from tkjit.tuning_db import choose_config
+
+    spec = known_kernel(args.name)
+    full = _shape_of(spec, args.shape) if args.shape else None
+    arch = _cli_arch(args.arch) if full is not None else _served_arch(args.arch)
     print(f"{spec.name} ({spec.family}): {spec.doc}")
     for p in spec.params:
         print(f"  shape  {p.describe()}  {p.doc}")
@@ -135,40 +296,66 @@ def cmd_show(args) -> int:
         print(f"  output {t.name}: {t.dtype if isinstance(t.dtype, str) else '(by shape)'} {t.dims}")
     for k, vals in spec.space.items():
         print(f"  space  {k}: {list(vals)}")
-    for ex in spec.examples:
-        full = spec.canonical_shape(ex)
-        print(f"  example {ex}: default {spec.default_config(full)}, {len(spec.configs(full))} allowed configs")
+
+    def served(shape: dict) -> str:
+        # Exactly what tkjit.get picks for this shape: explicit > tuned DB (user, shipped, nearest) > default.
+        cfg, source = choose_config(spec, shape, arch, None)
+        line = f"{_compact(cfg)}  ({source}"
+        default = spec.default_config(shape, arch)
+        return line + (f"; heuristic default {_compact(default)})" if default != cfg else ")")
+
+    if full is not None:
+        print(f"  config at {_compact(full)} for {arch}: {served(full)}")
+        print(f"         {len(spec.configs(full, arch))} allowed configs")
+    else:
+        for ex in spec.examples:
+            shape = spec.canonical_shape(ex)
+            n = len(spec.configs(shape, arch))
+            if arch is None:
+                print(f"  example {_compact(ex)}: heuristic default {_compact(spec.default_config(shape))}, "
+                      f"{n} allowed configs")
+            else:
+                print(f"  example {_compact(ex)} for {arch}: {served(shape)}, {n} allowed configs")
+        if arch is None:
+            print("  (no GPU here: pass --arch sm_90a to see the tuned configs tkjit.get serves for an arch)")
     from tkjit.build import cache
 
     mine = [r for r in cache().entries() if r.get("kernel") == spec.name]
     print(f"  cached  {len(mine)} entries")
     for r in mine:
-        print(f"    {r['key'][:12]} {r.get('arch')} {_compact(r.get('shape', {}))} {_compact(r.get('config', {}))}")
+        print(f"    {r['key'][:12]} {r.get('arch')} {_compact(r.get('shape', {}))} {_compact(r.get('config', {}))} "
+              f"({_source(r)})")
     return 0
 
 
 def cmd_compile(args) -> int:
     from tkjit import envs
-    from tkjit.arch import resolve_arch
     from tkjit.canon import canonical_json
     from tkjit.pool import compile_many
-    from tkjit.registry import all_specs, get_spec
+    from tkjit.registry import all_specs
     from tkjit.tuning_db import choose_config
 
     # The arguments first: a usage error is reported before any lookup or environment problem.
     cfg_in = parse_kv(args.config, "config") if args.config else None
+    if not args.all_defaults:
+        if not args.name:
+            raise UsageError("compile: missing the kernel NAME: `tkjit compile NAME --shape K=V ...` "
+                             "(or --all-defaults for every spec's example shapes)")
+        if len(args.name) > 1:
+            raise UsageError(f"compile takes one kernel NAME with --shape (got {len(args.name)}: "
+                             f"{' '.join(args.name)}); --all-defaults takes several")
+    elif args.shape or cfg_in:
+        raise UsageError("--all-defaults compiles each spec's example shapes with default configs: "
+                         "it takes no --shape or --config")
     if envs.flag(envs.DISABLE_JIT):
         raise TkjitError(f"{envs.DISABLE_JIT.name}=1 forbids compiling: unset it to fill the cache")
     if args.all_defaults:
-        specs = [get_spec(n) for n in args.name] if args.name else all_specs()
+        specs = [known_kernel(n) for n in args.name] if args.name else all_specs()
         shapes = [(s, s.canonical_shape(ex)) for s in specs for ex in s.examples]
     else:
-        if len(args.name) != 1:
-            raise UsageError("compile takes one kernel NAME with --shape, or --all-defaults")
-        shape_in = parse_kv(args.shape, "shape")
-        s = get_spec(args.name[0])
-        shapes = [(s, s.canonical_shape(shape_in))]
-    arch = resolve_arch(args.arch)
+        s = known_kernel(args.name[0])
+        shapes = [(s, _shape_of(s, args.shape))]
+    arch = _cli_arch(args.arch)
     jobs, seen = [], set()
     for spec, full in shapes:
         cfg, source = choose_config(spec, full, arch, cfg_in)
@@ -183,7 +370,7 @@ def cmd_compile(args) -> int:
     for job, res in zip(jobs, _progress(results)):
         key, err = res
         if err is not None:
-            status = f"FAILED: {err}"
+            status = f"FAILED: {_first_line(err)}"
         elif getattr(res, "built", False):
             secs = getattr(res, "compile_s", None)
             status = f"ok built {key[:12]}" + (f" ({secs:.1f} s)" if secs is not None else "")
@@ -191,7 +378,25 @@ def cmd_compile(args) -> int:
             status = f"ok cached {key[:12]}"
         failed += err is not None
         print(f"  {job[0]} {_compact(job[1])} {_compact(job[2])}: {status}")
+        if err is not None:
+            log.debug("%s: the whole error:\n%s", job[0], err)
+    if failed:
+        print(f"tkjit: error: {failed} of {len(jobs)} kernel(s) failed to compile (TKJIT_LOG=debug prints the "
+              "whole errors)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _first_line(err: Any) -> str:
+    """A compile error's first line (TileLang's carry the generated source and the nvcc command after it),
+    plus nvcc's own `fatal`/`error` line when there is one."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else "unknown error"
+    # TileLang puts the generated source right after its message, on the same line.
+    first = re.split(r":\s*(?=#if|#include|#define|extern \"C\")", first, maxsplit=1)[0]
+    rest = [ln.strip() for ln in text.splitlines()[1:]]
+    fatal = next((ln for ln in rest if re.search(r"\bfatal\b", ln)), None) or next(
+        (ln for ln in rest if re.search(r"\berror\b", ln) and not ln.endswith(":")), None)
+    return f"{first} [{fatal}]" if fatal and fatal not in first else first
 
 
 def _progress(results: list) -> Iterable:
@@ -208,12 +413,63 @@ def _progress(results: list) -> Iterable:
 def cmd_clear(args) -> int:
     from tkjit.build import cache
 
-    res = cache().clear()
-    msg = f"removed {res.removed} entries from {cache().root}"
+    c = cache()
+    res = c.clear()
+    msg = f"removed {res.removed} entries from {c.root}"
     if res.skipped:
         msg += f"; skipped {len(res.skipped)} in use or being built: {', '.join(k[:12] for k in res.skipped)}"
     print(msg)
+    tuned = c.base / "tuned"
+    dbs, journal = _tuned_files(tuned)
+    if args.all:
+        removed = _remove_tuned(tuned)
+        print(f"removed the tuned DB ({len(dbs)} files) and the tuning journal"
+              f"{'' if journal else ' (there was none)'} from {tuned}" if removed else f"{tuned} held nothing")
+    elif dbs or journal:
+        what = [f"the tuned DB ({len(dbs)} files, {_size(sum(_fsize(p) for p in dbs))})"] if dbs else []
+        what += [f"the tuning journal ({_size(_fsize(journal))})"] if journal else []
+        print(f"kept {' and '.join(what)} in {tuned}: `tkjit clear --all` removes them too")
+    else:
+        print(f"no tuned DB or tuning journal in {tuned}")
     return 0
+
+
+def _fsize(p: Path | None) -> int:
+    try:
+        return os.lstat(p).st_size if p else 0
+    except OSError:
+        return 0
+
+
+def _tuned_files(tuned: Path) -> tuple[list[Path], Path | None]:
+    """The user's tuned-DB files (`<arch>/<GPU>.json`) and the Optuna journal under the cache's tuned dir."""
+    dbs = sorted(p for p in tuned.glob("*/*.json") if p.is_file() and not p.is_symlink())
+    journal = tuned / "journal.log"
+    return dbs, journal if os.path.lexists(journal) else None
+
+
+def _remove_tuned(tuned: Path) -> int:
+    """Everything under the tuned dir (DB files, journal, their locks and `.bad` copies); the count removed.
+
+    Links are removed, never followed; the dir itself stays (the cache's layout).
+    """
+    import shutil
+
+    n = 0
+    try:
+        children = list(os.scandir(tuned))
+    except FileNotFoundError:
+        return 0
+    for d in children:
+        try:
+            if d.is_dir(follow_symlinks=False):
+                shutil.rmtree(d.path)
+            else:
+                os.unlink(d.path)
+            n += 1
+        except FileNotFoundError:  # removed meanwhile by another process
+            pass
+    return n
 
 
 def cmd_prune(args) -> int:
@@ -333,35 +589,92 @@ class _VersionAction(argparse.Action):
         raise SystemExit(0)
 
 
+def _arch_arg(text: str) -> str:
+    from tkjit.arch import check_arch
+
+    try:
+        return check_arch(text.strip())
+    except TkjitError:
+        raise argparse.ArgumentTypeError(f"takes an arch such as sm_90a, sm_100a, sm_89 or cpu, got {brief(text)}")\
+            from None
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="tkjit", description=__doc__)
+    ap = _Parser(prog="tkjit", description=__doc__,
+                 epilog="Exit status: 0 ok, 1 a tkjit error, 2 a usage error (the same for every command).")
     ap.add_argument("--version", action=_VersionAction, help="print tkjit's version (and tilelang's, torch's)")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     p = sub.add_parser("specs", help="the kernel catalog: shape params, space, default")
-    p.add_argument("name", nargs="*")
+    p.add_argument("name", nargs="*", metavar="NAME")
     p.set_defaults(fn=cmd_specs)
-    p = sub.add_parser("list", help="cache entries")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("list", help="cache entries (a table that fits the terminal; --wide, --json)")
+    p.add_argument("name", nargs="?", metavar="NAME", help="only this kernel (a glob such as 'sinkhorn*' too)")
+    p.add_argument("--arch", type=_arch_arg, default=None, help="only entries built for this arch")
+    p.add_argument("--source", default=None, metavar="S",
+                   help="only configs from this source: default, explicit, tuned (any), tuned:user, tuned:shipped")
+    p.add_argument("--wide", action="store_true", help="every column (config, full key), nothing shortened")
+    p.add_argument("--json", action="store_true", help="the rows as JSON (times in ISO 8601)")
     p.set_defaults(fn=cmd_list)
-    p = sub.add_parser("show", help="one kernel: spec and cached entries")
-    p.add_argument("name")
+    p = sub.add_parser("show", help="one kernel: spec, the config tkjit.get serves, cached entries")
+    p.add_argument("name", metavar="NAME")
+    add_shape_arg(p, help="the config tkjit.get would serve at this shape, and its source")
+    p.add_argument("--arch", type=_arch_arg, default=None, help="the arch to serve for (default: TKJIT_ARCH, the GPU)")
     p.set_defaults(fn=cmd_show)
     p = sub.add_parser("compile", help="fill the cache (cross-compiles on a CPU-only host with --arch)")
-    p.add_argument("name", nargs="*")
-    p.add_argument("--shape", nargs="*", default=[], metavar="K=V")
-    p.add_argument("--config", nargs="*", default=[], metavar="K=V")
-    p.add_argument("--arch", default=None)
+    p.add_argument("name", nargs="*", metavar="NAME")
+    add_shape_arg(p)
+    p.add_argument("--config", nargs="+", action="extend", default=[], metavar="K=V",
+                   help="an explicit config (default: what tkjit.get would serve)")
+    p.add_argument("--arch", type=_arch_arg, default=None, help="e.g. sm_90a (default: TKJIT_ARCH, the GPU)")
     p.add_argument("--all-defaults", action="store_true", help="every spec's example shapes, default configs")
     p.add_argument("-j", "--jobs", type=_jobs_arg, default=None)
     p.set_defaults(fn=cmd_compile)
-    p = sub.add_parser("clear", help="remove every cache entry")
+    p = sub.add_parser("clear", help="remove every cache entry (--all: the tuned DB and tuning journal too)")
+    p.add_argument("--all", action="store_true", help="also remove the user's tuned DB and the tuning journal")
     p.set_defaults(fn=cmd_clear)
     p = sub.add_parser("prune", help="evict least recently used entries down to a size")
     p.add_argument("--max-size", required=True, type=_size_arg, help="e.g. 500M, 2G, 1.5GiB or bytes")
     p.set_defaults(fn=cmd_prune)
     p = sub.add_parser("doctor", help="versions, arch, nvcc, cache dir, permissions")
     p.set_defaults(fn=cmd_doctor)
+    p = sub.add_parser("plot", help="charts (needs matplotlib: pip install 'tkjit[plot]')")
+    what = p.add_subparsers(dest="what", required=True, metavar="CHART")
+    q = what.add_parser("bench", help="a bench JSON (tools/bench.py --json) against the copy ceiling")
+    q.add_argument("json", metavar="BENCH_JSON")
+    q.add_argument("-o", "--out", required=True, metavar="PNG")
+    q.add_argument("--title", default=None)
+    q.set_defaults(fn=cmd_plot_bench)
+    q = what.add_parser("study", help="a tuning study: time per trial and the best so far")
+    q.add_argument("name", nargs="?", metavar="KERNEL", help="the study's kernel (needed when several match)")
+    add_shape_arg(q, help="the study's shape (a study is per static shape and runtime bucket)")
+    q.add_argument("--arch", type=_arch_arg, default=None)
+    q.add_argument("--storage", default=None, metavar="URL",
+                   help="journal:PATH, a .log path or an Optuna URL (default: the cache's journal)")
+    q.add_argument("-o", "--out", required=True, metavar="PNG")
+    q.set_defaults(fn=cmd_plot_study)
     return ap
+
+
+def cmd_plot_bench(args) -> int:
+    from tkjit import plot
+
+    out = plot.bench_chart(plot.load_bench(args.json), args.out, title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_plot_study(args) -> int:
+    from tkjit import plot
+
+    if args.name:
+        known_kernel(args.name)
+    shape = parse_shape(args.shape) if args.shape else None
+    storage = plot.open_journal(args.storage)
+    name = plot.pick_study(storage, kernel=args.name, shape=shape, arch=args.arch)
+    trials = plot.study_trials(storage, name)
+    out = plot.study_chart(trials, args.out, title=plot.study_title(name))
+    print(f"wrote {out} ({len(trials)} trials of {plot.study_title(name)})")
+    return 0
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -393,7 +706,7 @@ def _setup_logging() -> None:
 def _fail(message: str, status: int) -> int:
     """Print the error in one line (the traceback only at TKJIT_LOG=debug); return the exit status."""
     log.debug("the error below came from:", exc_info=True)
-    first, *rest = message.strip().splitlines() or ["unknown error"]
+    first, *rest = cli_syntax(message).strip().splitlines() or ["unknown error"]
     if rest:
         first += f" (+{len(rest)} more lines; TKJIT_LOG=debug shows them)"
     print(f"tkjit: error: {first}", file=sys.stderr)
