@@ -1,0 +1,1 @@
+"""TileKernels' `mhc` kernel module: it exports nothing (its ops are `modeling.mhc.ops`)."""
