@@ -1,0 +1,294 @@
+"""tkjit.compat.tile_kernels against the real TileKernels on the GPU, with TileKernels' own parametrisations.
+
+For every served op, tkjit's output is compared with TileKernels' through TileKernels' own
+`testing.numeric.assert_equal` (dtype, shape, strides where non-empty, device, every byte) wherever the
+two compute the same thing bit for bit:
+  moe.topk_gate               bit for bit (both: stable descending order, ties to the smaller index)
+  transpose / batched_transpose  bit for bit (a copy)
+  quant.per_token_cast[_with_sf_only], e4m3, round_sf=True (the combination TileKernels tests)
+                              bit for bit, row-major and column-major scales
+  quant.per_token_cast, round_sf=False
+                              bit for bit against TileKernels' torch reference `tile_kernels.torch.cast`;
+                              against its kernel: same dtype, shape and strides, scales within 2 ulp and
+                              < 0.1% of FP8 codes one step apart (its kernel forms amax / 448 and 448 / amax
+                              another way than its reference, which tkjit follows)
+  modeling.mhc.ops.sinkhorn_normalize
+                              forward and gradient within rtol 1e-5 (another order of float operations)
+Option combinations tkjit does not serve (fmt='e2m1', use_packed_ue8m0, pre-quantised inputs, casts with
+precomputed scales) must raise NotImplementedError. Skipped where tile_kernels is not installed.
+TileKernels' parameter lists: num_tokens 4001, 8001 and 0 (its TK_FULL_TEST list; aligned to 64 where it
+needs it), hidden 576..7168, expert counts 16..512 and the non-powers of two 36, 72, 96, 108, 144.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import tkjit
+import tkjit.compat.tile_kernels as compat
+from tkjit.arch import arch_of
+from tkjit.pool import compile_many
+from tkjit.tuning_db import choose_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
+
+tile_kernels = pytest.importorskip("tile_kernels")  # skips the module where TileKernels is not installed
+pytest.importorskip("tile_kernels.modeling.mhc.ops")
+from tile_kernels.testing.numeric import assert_equal  # noqa: E402
+
+NUM_TOKENS = (4001, 8001, 0)
+HIDDEN = (576, 2048, 2560, 3072, 4096, 6144, 7168)
+EXPERTS = (16, 32, 36, 64, 72, 96, 108, 128, 144, 256, 384, 512)
+TOPK = (1, 2, 6, 7, 8, 9)
+
+
+def _align(n, a):
+    return -(-n // a) * a
+
+
+def _served(kernel: str, shape: dict) -> bool:
+    """Whether tkjit's spec takes the shape now (the compat layer raises NotImplementedError otherwise)."""
+    spec = tkjit.get_spec(kernel)
+    try:
+        spec.canonical_shape({**{p.name: 1 for p in spec.runtime_params}, **shape})
+        return True
+    except tkjit.ShapeError:
+        return False
+
+
+def _precompile(kernel: str, shapes: list[dict]) -> None:
+    """Compile, in parallel, the variants the calls below will ask for (one tkjit.get at a time would
+    compile them serially)."""
+    spec = tkjit.get_spec(kernel)
+    arch = arch_of(torch.empty(0, device="cuda"))
+    jobs, seen = [], set()
+    for shape in shapes:
+        if not _served(kernel, {k: v for k, v in shape.items() if k != "num_tokens"}):
+            continue
+        full = spec.canonical_shape(shape)
+        cfg, source = choose_config(spec, full, arch, None)
+        key = (repr(sorted(spec.static_shape(full).items())), repr(sorted(cfg.items())))
+        if key not in seen:
+            seen.add(key)
+            jobs.append((kernel, spec.static_shape(full), cfg, arch, source))
+    errors = [e for _, e in compile_many(jobs) if e]
+    assert not errors, errors[:3]
+
+
+# -- API ---------------------------------------------------------------------------------------------------
+
+def _public_functions(module):
+    return {n: f for n, f in vars(module).items() if not n.startswith("_") and inspect.isfunction(f)}
+
+
+@pytest.mark.parametrize("module", ["config", "engram", "modeling.mhc", "modeling.mhc.ops", "moe", "quant",
+                                    "transpose"])
+def test_signatures_match_the_installed_tile_kernels(module):
+    import importlib
+
+    theirs = importlib.import_module(f"tile_kernels.{module}")
+    ours = importlib.import_module(f"tkjit.compat.tile_kernels.{module}")
+    names = getattr(ours, "__all__", None) or list(_public_functions(ours))
+    for name in names:
+        t = getattr(theirs, name)
+        o = getattr(ours, name)
+        if inspect.ismodule(t):
+            continue
+        t_params = list(inspect.signature(t).parameters.values())
+        o_params = list(inspect.signature(o).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in o_params] == [(p.name, p.kind, p.default) for p in t_params], name
+
+
+def test_num_sms_matches(monkeypatch):
+    monkeypatch.setattr(compat.config, "_num_sms", 0)
+    assert compat.get_device_num_sms() == tile_kernels.get_device_num_sms()
+    assert compat.config.get_max_smem_per_sm() == tile_kernels.config.get_max_smem_per_sm()
+    n = tile_kernels.get_device_num_sms()
+    try:
+        for value in (n - 20, n):
+            compat.set_num_sms(value)
+            tile_kernels.set_num_sms(value)
+            assert compat.get_num_sms() == tile_kernels.get_num_sms() == value
+    finally:
+        tile_kernels.set_num_sms(n)
+    with pytest.raises(tkjit.ShapeError, match="exceeds"):
+        compat.set_num_sms(n + 1)
+
+
+# -- moe.topk_gate -----------------------------------------------------------------------------------------
+
+TOPK_CASES = [(t, e, k) for t in NUM_TOKENS for e in EXPERTS for k in TOPK if k <= e]
+
+
+@pytest.fixture(scope="module")
+def topk_compiled(shared_cache):
+    _precompile("topk_gate", [{"num_tokens": max(1, t), "num_experts": e, "k": k} for t, e, k in TOPK_CASES])
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, num_topk", TOPK_CASES)
+def test_topk_gate_is_bit_exact(topk_compiled, num_tokens, num_experts, num_topk):
+    g = torch.Generator(device="cuda").manual_seed(num_tokens + num_experts * 16 + num_topk)
+    for rounded in (False, True):  # rounded: ties everywhere (and signed zeros), the smaller index wins
+        scores = torch.randn(num_tokens, num_experts, device="cuda", generator=g)
+        if rounded:
+            scores = scores.round(decimals=1)
+        if not _served("topk_gate", {"num_experts": num_experts, "k": num_topk}) and num_tokens:
+            with pytest.raises(NotImplementedError, match=r"tile_kernels.moe.topk_gate: .*'moe' kernel family"):
+                compat.moe.topk_gate(scores, num_topk)
+            continue
+        assert_equal(compat.moe.topk_gate(scores, num_topk), tile_kernels.moe.topk_gate(scores, num_topk))
+
+
+# -- transpose -----------------------------------------------------------------------------------------------
+
+TRANSPOSE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+TRANSPOSE_CASES = [(_align(t, 64), h, d) for t in NUM_TOKENS for h in HIDDEN for d in TRANSPOSE_DTYPES]
+
+
+def _bits(shape, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nbytes = torch.empty(0, dtype=dtype).element_size()
+    ints = torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes), device="cuda", dtype=torch.uint8, generator=g)
+    x = ints.view(dtype)
+    return torch.nan_to_num(x) if dtype.is_floating_point and nbytes > 1 else x
+
+
+@pytest.fixture(scope="module")
+def transpose_compiled(shared_cache):
+    from tkjit.kernel import dtype_name
+
+    shapes = [{"rows": max(1, t), "cols": h, "dtype": dtype_name(d)} for t, h, d in TRANSPOSE_CASES]
+    _precompile("transpose", shapes)
+    _precompile("batched_transpose", [{**s, "batch": 3} for s in shapes])
+
+
+@pytest.mark.parametrize("num_tokens, hidden, dtype", TRANSPOSE_CASES)
+def test_transpose_is_bit_exact(transpose_compiled, num_tokens, hidden, dtype):
+    x = _bits((num_tokens, hidden), dtype, seed=num_tokens + hidden)
+    assert_equal(compat.transpose.transpose(x), tile_kernels.transpose.transpose(x))
+    xt = _bits((hidden, num_tokens), dtype, seed=num_tokens + hidden + 1)  # the way back
+    assert_equal(compat.transpose.transpose(xt), tile_kernels.transpose.transpose(xt))
+    xb = _bits((3, num_tokens, hidden), dtype, seed=num_tokens + hidden + 2)
+    assert_equal(compat.transpose.batched_transpose(xb), tile_kernels.transpose.batched_transpose(xb))
+    wide = _bits((num_tokens, 2 * hidden), dtype, seed=num_tokens + hidden + 3)[:, hidden // 2: hidden // 2 + hidden]
+    assert_equal(compat.transpose.transpose(wide), tile_kernels.transpose.transpose(wide))  # a row-strided view
+
+
+def test_transpose_takes_sizes_tile_kernels_refuses():
+    x = _bits((4001, 7168), torch.bfloat16, seed=7)
+    with pytest.raises(AssertionError):
+        tile_kernels.transpose.transpose(x)
+    assert torch.equal(compat.transpose.transpose(x).view(torch.int16), x.T.contiguous().view(torch.int16))
+
+
+# -- quant.per_token_cast --------------------------------------------------------------------------------------
+
+# (use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0): TileKernels' two, then the other unpacked ones
+OPTIONS = [(False, True, False), (True, True, True), (False, False, False), (True, False, False), (True, True, False)]
+CAST_CASES = [
+    (t, h, d, g, o)
+    for t in NUM_TOKENS for h in HIDDEN for d in (torch.float32, torch.bfloat16) for g in (32, 64, 128, h)
+    for o in OPTIONS
+]
+
+
+@pytest.fixture(scope="module")
+def cast_compiled(shared_cache):
+    for name, col in (("per_token_cast", False), ("per_token_cast_colmajor", True)):
+        _precompile(name, [
+            {"num_tokens": max(1, t), "hidden": h, "group": g, "in_dtype": str(d).removeprefix("torch."),
+             "round_scale": o[1]}
+            for t, h, d, g, o in CAST_CASES if o[0] == col and not o[2]
+        ])
+
+
+def _codes_close(q, q_tk):
+    """FP8 codes equal but for < 0.1% one step apart (same sign, magnitudes differing by one)."""
+    a, b = q.view(torch.uint8).int(), q_tk.view(torch.uint8).int()
+    diff = a != b
+    assert diff.float().mean().item() < 1e-3 if a.numel() else True
+    assert ((a[diff] - b[diff]).abs() <= 1).all()
+
+
+@pytest.mark.parametrize("num_tokens, hidden, in_dtype, num_per_channels, options", CAST_CASES)
+def test_per_token_cast_matches(cast_compiled, num_tokens, hidden, in_dtype, num_per_channels, options):
+    col_major, round_sf, packed = options
+    x = torch.randn(num_tokens, hidden, dtype=in_dtype, device="cuda")
+    kw = dict(use_tma_aligned_col_major_sf=col_major, round_sf=round_sf, use_packed_ue8m0=packed)
+    if packed:
+        with pytest.raises(NotImplementedError, match="use_packed_ue8m0=True"):
+            compat.quant.per_token_cast(x, "e4m3", num_per_channels, **kw)
+        with pytest.raises(NotImplementedError, match="use_packed_ue8m0=True"):
+            compat.quant.per_token_cast_with_sf_only(x, "e4m3", num_per_channels, **kw)
+        return
+    with pytest.raises(NotImplementedError, match="fmt='e2m1'"):
+        compat.quant.per_token_cast(x, "e2m1", num_per_channels, **kw)
+    served = _served("per_token_cast", {"hidden": hidden, "group": num_per_channels,
+                                        "in_dtype": str(in_dtype).removeprefix("torch."), "round_scale": round_sf})
+    if not served:
+        with pytest.raises(NotImplementedError, match="tile_kernels.quant.per_token_cast: "):
+            compat.quant.per_token_cast(x, "e4m3", num_per_channels, **kw)
+        return
+    q, sf = compat.quant.per_token_cast(x, "e4m3", num_per_channels, **kw)
+    q_tk, sf_tk = tile_kernels.quant.per_token_cast(x, "e4m3", num_per_channels, **kw)
+    q_ref, sf_ref = tile_kernels.torch.cast(x, "e4m3", (1, num_per_channels), round_sf=round_sf,
+                                            use_tma_aligned_col_major_sf=col_major)
+    assert_equal(q, q_ref)
+    assert_equal(sf, sf_ref)
+    if round_sf:
+        assert_equal(q, q_tk)
+        assert_equal(sf, sf_tk)
+    else:
+        for ours, theirs in ((q, q_tk), (sf, sf_tk)):
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+            assert ours.numel() == 0 or ours.stride() == theirs.stride()
+        if num_tokens:
+            torch.testing.assert_close(sf, sf_tk, rtol=2.5e-7, atol=0)
+            _codes_close(q, q_tk)
+    assert_equal(compat.quant.per_token_cast_with_sf_only(x, "e4m3", num_per_channels, **kw), sf)
+    if num_tokens:  # TileKernels' non-contiguous case: rows 2 * hidden apart
+        x_nc = torch.randn(num_tokens, 2 * hidden, dtype=in_dtype, device="cuda")[:, :hidden]
+        x_nc.copy_(x)
+        q_nc, sf_nc = compat.quant.per_token_cast(x_nc, "e4m3", num_per_channels, **kw)
+        assert_equal(q_nc, q)
+        assert_equal(sf_nc, sf)
+    if not col_major and num_per_channels != hidden:
+        with pytest.raises(NotImplementedError, match="per_token_cast_with_precomputed_sf: tkjit has no kernel"):
+            compat.quant.per_token_cast_with_precomputed_sf(x, "e4m3", num_per_channels, sf)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("x_block_size", [(128, 128), (32, 32)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_per_token_cast_of_quantised_inputs_is_not_served(in_dtype, x_block_size, fmt):
+    """TileKernels' re-cast of a (values, scales) input: NotImplementedError, never another answer."""
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    in_fmt = "e4m3" if in_dtype == torch.float8_e4m3fn else "e2m1"
+    xq = tile_kernels.torch.cast(x, in_fmt, x_block_size, round_sf=True)
+    with pytest.raises(NotImplementedError, match=r"x_block_size|fmt='e2m1'"):
+        compat.quant.per_token_cast(xq, fmt, 128, x_block_size=x_block_size, round_sf=True)
+
+
+# -- modeling.mhc.ops.sinkhorn_normalize ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("shape, repeat, eps", [((4, 4), 10, 1e-6), ((4, 4), 20, 1e-6), ((2, 4, 4), 10, 1e-6),
+                                                 ((8, 8), 10, 1e-6)])
+def test_sinkhorn_normalize_matches(shared_cache, num_tokens, shape, repeat, eps):
+    x = torch.randn(num_tokens, *shape, device="cuda")
+    xs = [x.clone().requires_grad_() for _ in range(3)]
+    y = compat.modeling.mhc.ops.sinkhorn_normalize(xs[0], repeat, eps)
+    y_tk = tile_kernels.modeling.mhc.ops.sinkhorn_normalize(xs[1], repeat, eps)
+    y_ref = tile_kernels.torch.sinkhorn_normalize_ref(xs[2], repeat, eps)
+    assert y.dtype == y_tk.dtype and y.shape == y_tk.shape and (y.numel() == 0 or y.stride() == y_tk.stride())
+    torch.testing.assert_close(y, y_tk, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    if num_tokens:
+        grad = torch.randn_like(y)
+        for out in (y, y_tk, y_ref):
+            out.backward(grad)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(xs[0].grad, xs[2].grad, rtol=1e-4, atol=1e-5)
