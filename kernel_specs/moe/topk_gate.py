@@ -4,10 +4,18 @@ scores (num_tokens, num_experts) float32 -> indices (num_tokens, k) int64, equal
 `torch.sort(scores, -1, descending=True, stable=True).indices[:, :k]` (TileKernels' `stable_topk`).
 -0.0 and +0.0 compare equal (as in torch); NaN scores are not supported.
 
+Any num_experts from 1 to 1024 and any k <= num_experts.
+
 Layout: a token is owned by a group of `lanes` consecutive lanes of one warp (1 = a thread per
-token, 32 = a warp per token). Lane l holds num_experts / lanes scores in registers, loaded in
-chunks of `vec` consecutive experts: chunk c = j * lanes + l covers experts [c * vec, c * vec + vec),
+token, 32 = a warp per token). Lane l holds ceil(num_experts / (lanes * vec)) chunks of `vec`
+consecutive experts in registers: chunk c = j * lanes + l covers experts [c * vec, c * vec + vec),
 so a warp's loads are coalesced and, inside one lane, the expert index grows with the register slot.
+When lanes * vec does not divide num_experts, the last chunk row is partial: lanes past the end
+load nothing (no read beyond the row) and their slots hold key 0, the "taken" key, so they never
+win while a real score is left (k <= num_experts). vec=4 needs num_experts % 4 == 0, so a chunk
+is wholly inside the row and 16-byte aligned. Counts that lanes * vec divides compile exactly as
+before; a non-power-of-two count takes the next power of two's lanes and vec (`default`), so no
+lane holds more than there and the per-token time stays at or below it.
 
 Scores become order-preserving uint32 keys (-0 folded into +0); key 0 marks "taken". Two ways to
 pick k winners, `cache`:
@@ -19,6 +27,8 @@ pick k winners, `cache`:
         next key; if that bound reaches a round's winning key, the warp redoes its tokens with the
         `cache=0` rounds (always exact; for random scores, a warp per token and k=8 that is ~3% of
         tokens with cache=2, ~0.1% with 3).
+Up to 32 rounds are unrolled and each lane keeps its results in registers; for larger k the
+rounds are a loop (cache=0) and the winner's owner stores it at once (correct, O(k * per_lane)).
 Group reductions use `shfl` butterflies, or for a warp per token `redux` (`redux.sync` max on the
 key, then min on the index among lanes holding the max: two instructions instead of ten shuffles).
 """
@@ -28,21 +38,40 @@ import torch
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
 
-EXPERTS = (16, 32, 64, 128, 256, 384, 512)
+MAX_EXPERTS = 1024
 MAX_PER_LANE = 64  # registers of keys per lane (plus the float staging copy): beyond this it spills
+MAX_UNROLLED_K = 32  # more rounds than this run as a loop: unrolled, code size grows as k * per_lane
+
+
+def _pow2_ceil(e):
+    return 1 << max(0, e - 1).bit_length()
+
+
+def layout(e: int, lanes: int, vec: int) -> tuple[int, int, int]:
+    """(slots per lane, chunk rows every lane holds, lanes holding a chunk of the partial row after them).
+
+    Slot s of lane l is expert (s // vec * lanes + l) * vec + s % vec; the partial row exists when
+    slots > rows * vec, and there only lanes below the third value hold experts (the rest: key 0).
+    """
+    rows = e // (lanes * vec)
+    return -(-e // (lanes * vec)) * vec, rows, (e - rows * lanes * vec) // vec
 
 
 def default(shape):
     e, k = shape["num_experts"], shape["k"]
     # A warp per token for wide rows (8-16 scores per lane, redux reductions, head lists: the k
     # rounds cost O(1) each); narrower groups for small expert counts so no lane idles.
-    lanes = 32 if e >= 256 else max(1, min(32, e // 8))
-    vec = 4 if (e // lanes) % 4 == 0 else 1
-    per_lane = e // lanes
+    # A count that is not a power of two takes the next power of two's layout: each lane holds at
+    # most what it holds there (the last chunk partial), and the row has fewer bytes to read.
+    # (16..512 keep the layouts they always had: 384 takes 512's, which is the same.)
+    p = _pow2_ceil(e)
+    lanes = 32 if p >= 256 else max(1, min(32, p // 8))
+    vec = 4 if (p // lanes) % 4 == 0 and e % 4 == 0 else 1
+    per_lane = layout(e, lanes, vec)[0]
     # Head lists pay off while a lane rarely supplies more than `cache` of the k winners (random
     # scores, a warp per token, k=8: 2 entries fall back on ~3% of tokens, 3 on ~0.1%).
     cache = (2 if k <= 8 else 3) if lanes == 32 else 3 if lanes == 16 else 4
-    if cache >= per_lane or k == 1 or 4 * k > lanes * (cache + 1):
+    if cache >= per_lane or k == 1 or 4 * k > lanes * (cache + 1) or k > MAX_UNROLLED_K:
         cache = 0
     return {
         "lanes": lanes,
@@ -62,9 +91,11 @@ def check_shape(shape):
 
 def constraint(shape, c):
     e, lanes, vec = shape["num_experts"], c["lanes"], c["vec"]
-    if e % (lanes * vec):
-        return f"num_experts={e} is not a multiple of lanes*vec={lanes * vec}"
-    per_lane = e // lanes
+    if e % vec:
+        return f"vec={vec} loads need num_experts={e} to be a multiple of {vec} (aligned, inside the row)"
+    if lanes * vec > e:
+        return f"lanes*vec={lanes * vec} > num_experts={e}: some lanes would hold no expert"
+    per_lane = layout(e, lanes, vec)[0]
     if per_lane > MAX_PER_LANE:
         return f"{per_lane} scores per lane would spill (max {MAX_PER_LANE})"
     if c["threads"] % lanes:
@@ -75,6 +106,8 @@ def constraint(shape, c):
         return "cache holds every score of a lane: same as cache=0"
     if c["cache"] and shape["k"] == 1:
         return "k=1 is a single round: cache adds nothing"
+    if c["cache"] and shape["k"] > MAX_UNROLLED_K:
+        return f"k > {MAX_UNROLLED_K} runs its rounds as a loop: head lists need unrolled rounds (cache=0)"
     return None
 
 
@@ -92,7 +125,10 @@ def build(shape, c):
     E, K = shape["num_experts"], shape["k"]
     L, vec, threads, tpg = c["lanes"], c["vec"], c["threads"], c["tokens_per_group"]
     cache, use_redux = c["cache"], c["reduce"] == "redux"
-    per_lane = E // L
+    per_lane, full_chunks, valid_lanes = layout(E, L, vec)
+    partial = per_lane > full_chunks * vec  # static: counts that lanes * vec divides compile as before
+    big_k = K > MAX_UNROLLED_K
+    rounds = T.serial if big_k else T.unroll
     LOG_L = L.bit_length() - 1
     groups = threads // L  # tokens in flight per block
     block_tokens = groups * tpg
@@ -123,13 +159,17 @@ def build(shape, c):
                 gi[0] = T.if_then_else(take, oi, gi[0])
 
     @T.macro
-    def record(res, r, gi, lane):
-        if lane == r % L:
+    def record(res, r, gi, lane, tok, topk_idx):
+        if big_k:
+            # Rounds are a loop: a dynamic index would put `res` in local memory; store at once.
+            if (lane == r % L) & (tok < num_tokens):
+                topk_idx[tok, r] = T.cast(gi[0], T.int64)
+        elif lane == r % L:
             res[r // L] = gi[0]
 
     @T.macro
-    def rescan_rounds(keys, res, bk, gi, lane, lane_off):
-        for r in T.unroll(K):
+    def rescan_rounds(keys, res, bk, gi, lane, lane_off, tok, topk_idx):
+        for r in rounds(K):
             bk[0] = keys[0]
             gi[0] = T.uint32(slot_index(0)) + lane_off
             for s in T.unroll(1, per_lane):
@@ -137,7 +177,7 @@ def build(shape, c):
                 bk[0] = T.if_then_else(better, keys[s], bk[0])
                 gi[0] = T.if_then_else(better, T.uint32(slot_index(s)) + lane_off, gi[0])
             reduce_pair(bk, gi)
-            record(res, r, gi, lane)
+            record(res, r, gi, lane, tok, topk_idx)
             if r + 1 < K:
                 for s in T.unroll(per_lane):
                     keys[s] = T.if_then_else(gi[0] == T.uint32(slot_index(s)) + lane_off, T.uint32(0), keys[s])
@@ -151,7 +191,9 @@ def build(shape, c):
             tx = T.get_thread_binding()
             xs = T.alloc_local((per_lane,), T.float32)
             keys = T.alloc_local((per_lane,), u32)
-            res = T.alloc_local((nres,), u32)
+            res = None
+            if not big_k:
+                res = T.alloc_local((nres,), u32)
             bk = T.alloc_local((1,), u32)
             gi = T.alloc_local((1,), u32)
             if cache > 0:
@@ -163,15 +205,30 @@ def build(shape, c):
             for it in T.serial(tpg):
                 tok = bx * block_tokens + it * groups + tx // L
                 tc = T.min(tok, num_tokens - 1)  # tail groups compute a valid row, store nothing
-                for j in T.unroll(per_lane // vec):
+                for j in T.unroll(full_chunks):
                     for v in T.vectorized(vec):
                         xs[j * vec + v] = scores[tc, (j * L + lane) * vec + v]
+                if partial:
+                    # Lanes past the row's end read nothing (their slots become key 0 below).
+                    if lane < valid_lanes:
+                        for v in T.vectorized(vec):
+                            xs[full_chunks * vec + v] = scores[tc, (full_chunks * L + lane) * vec + v]
+                    else:
+                        for v in T.unroll(vec):
+                            xs[full_chunks * vec + v] = T.float32(0.0)
                 for s in T.unroll(per_lane):
                     # Order-preserving key; adding +0 turns -0 into +0 so they tie like in torch.
                     b = T.reinterpret(T.ieee_add(xs[s], T.float32(0.0)), u32)
                     keys[s] = b ^ (T.reinterpret(T.reinterpret(b, i32) >> 31, u32) | T.uint32(0x80000000))
-                for q in T.unroll(nres):
-                    res[q] = T.uint32(0)
+                if partial:
+                    # Key 0 ("taken") never wins while a real score is left: k <= num_experts.
+                    for v in T.unroll(vec):
+                        keys[full_chunks * vec + v] = T.if_then_else(
+                            lane < valid_lanes, keys[full_chunks * vec + v], T.uint32(0)
+                        )
+                if not big_k:
+                    for q in T.unroll(nres):
+                        res[q] = T.uint32(0)
                 if cache:
                     for j in T.unroll(cache + 1):
                         hk[j] = T.uint32(0)
@@ -199,7 +256,7 @@ def build(shape, c):
                         # A lane that used up its t entries only knows a bound on its next key; if
                         # that bound reaches the winning key, the winner may be wrong: redo.
                         bad[0] = bad[0] | T.if_then_else((hi[0] == NONE) & (hk[0] >= bk[0]), 1, 0)
-                        record(res, r, gi, lane)
+                        record(res, r, gi, lane, tok, topk_idx)
                         if r + 1 < K:
                             won = hi[0] == gi[0]
                             for j in T.unroll(cache):
@@ -209,13 +266,14 @@ def build(shape, c):
                             hk[cache] = T.if_then_else(won, T.uint32(0), hk[cache])
                             hi[cache - 1] = T.if_then_else(won, NONE, hi[cache - 1])
                     if T.any_sync(bad[0]) != 0:
-                        rescan_rounds(keys, res, bk, gi, lane, lane_off)
+                        rescan_rounds(keys, res, bk, gi, lane, lane_off, tok, topk_idx)
                 else:
-                    rescan_rounds(keys, res, bk, gi, lane, lane_off)
-                if tok < num_tokens:
-                    for q in T.unroll(nres):
-                        if q * L + lane < K:
-                            topk_idx[tok, q * L + lane] = T.cast(res[q], T.int64)
+                    rescan_rounds(keys, res, bk, gi, lane, lane_off, tok, topk_idx)
+                if not big_k:
+                    if tok < num_tokens:
+                        for q in T.unroll(nres):
+                            if q * L + lane < K:
+                                topk_idx[tok, q * L + lane] = T.cast(res[q], T.int64)
 
     return topk_gate
 
@@ -250,8 +308,8 @@ SPEC = register(
         doc="indices of the k best experts per token (descending, ties to the smaller index)",
         params=(
             Runtime("num_tokens", hi=1 << 24, doc="tokens; runtime size, tuned per power-of-two bucket"),
-            Static("num_experts", values=EXPERTS, default=256, doc="experts (scores per token)"),
-            Static("k", lo=1, hi=16, default=8, doc="experts selected per token (<= num_experts)"),
+            Static("num_experts", lo=1, hi=MAX_EXPERTS, default=256, doc="experts (scores per token)"),
+            Static("k", lo=1, hi=MAX_EXPERTS, default=8, doc="experts selected per token (<= num_experts)"),
         ),
         space={
             "lanes": (1, 2, 4, 8, 16, 32),
