@@ -5,6 +5,8 @@
 #   tools/h200_verify.sh sampler   # exhaustive sinkhorn_bwd study (gate on every config) + TPE replay,
 #                                  # then the every-config tests of sinkhorn_bwd and transpose
 #   tools/h200_verify.sh suite     # every GPU test file but the every-config ones, then tools/hostcost.py
+#   tools/h200_verify.sh widened   # per_token_cast (partial last groups, group 16) and topk_gate (any
+#                                  # expert count) files in full, every-config tests included
 #   tools/h200_verify.sh strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #                                  # short, host cost, and the transpose / per_token_cast benchmark
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -67,6 +69,15 @@ strided)
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 8; done
   grep -E "strided|contiguous" "$OUT"/pytest_transpose.txt "$OUT"/pytest_per_token_cast.txt | head -20
   cat "$OUT/hostcost.txt"; tail -n 30 "$OUT/bench.txt"
+  ;;
+widened)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  timeout 290 $PYTEST -s tests/gpu/test_gpu_per_token_cast.py > "$OUT/pytest_per_token_cast.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_per_token_cast.txt"
+  timeout 260 $PYTEST -s tests/gpu/test_gpu_topk_gate.py > "$OUT/pytest_topk_gate.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_topk_gate.txt"
+  for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
+  grep -E "us|ratio" "$OUT/pytest_topk_gate.txt" | grep -v "^tests" | head -30
   ;;
 final)  # what the two stages above left: the fixed autograd test, the rest of the files, launch floor
   timeout 60 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k autograd > "$OUT/pytest_final.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_final.txt"
