@@ -78,3 +78,113 @@ def test_wrong_tensors(cache_dir):
     with pytest.raises(TensorError, match="other tensors say"):
         k(x, out=torch.empty(32, 4, 4))
     assert k(x).shape == x.shape  # and the kernel still works afterwards
+
+
+# -- the per-signature fast path ----------------------------------------------------------------------
+
+
+class _Binder:
+    """A launcher like the loaders': called with tensors, or bound once per signature."""
+
+    def __init__(self):
+        self.binds, self.calls = 0, []
+
+    def __call__(self, *tensors):
+        self.calls.append(("call", [tuple(t.shape) for t in tensors]))
+        tensors[-1].copy_(tensors[0])
+
+    def bind(self, tensors, n_in):
+        self.binds += 1
+        shapes = [tuple(t.shape) for t in tensors]
+
+        def go(ins, outs, scalars=()):
+            assert [tuple(t.shape) for t in (*ins, *outs)] == shapes
+            self.calls.append(("bound", shapes))
+            outs[0].copy_(ins[0])
+
+        return go
+
+
+def _toy_kernel(launch):
+    from tkjit.kernel import CompiledKernel
+
+    spec = _toy_spec()
+    validate(spec)
+    return CompiledKernel(spec, spec.canonical_shape({"n": 5}), {"block": 32}, "cpu", "0" * 40, "explicit", Path("."),
+                          launch)
+
+
+def test_a_repeat_signature_runs_no_check_again(monkeypatch):
+    from tkjit.kernel import CompiledKernel
+
+    launch = _Binder()
+    k = _toy_kernel(launch)
+    x = torch.randn(5, 4)
+    assert torch.equal(k(x), x) and launch.binds == 1
+    real_check = CompiledKernel._check
+    monkeypatch.setattr(CompiledKernel, "_check", lambda *a, **kw: pytest.fail("checked again"))
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        y = k(x)
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    assert launch.binds == 1 and [c[0] for c in launch.calls] == ["call"] + ["bound"] * 3
+    with pytest.raises(BaseException, match="checked again"):  # another signature: the full checks
+        k(torch.randn(7, 4))
+    monkeypatch.setattr(CompiledKernel, "_check", real_check)
+    with pytest.raises(TensorError, match="contiguous"):
+        k(x.T.contiguous().T)  # the same shape and dtype, other strides: checked (and refused)
+    assert len(k._plans) == 1
+
+
+def test_what_a_signature_does_not_fix_is_checked_at_every_call():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    launch = _Binder()
+    k = _toy_kernel(launch)
+    x = torch.randn(5, 4)
+    k(x)
+    assert len(k._plans) == 1
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    with pytest.raises(TensorError, match="fake/meta tensor"):
+        k(fake)  # the same shape, strides, dtype and device as x
+    with pytest.raises(TensorError, match="fake/meta tensor"):
+        k(torch.empty(5, 4, device="meta"))
+    shifted = torch.randn(21)[1:].view(5, 4)  # x's shape and strides, 4 bytes off a 16-byte boundary
+    with pytest.raises(TensorError, match="not 16-byte aligned"):
+        k(shifted)
+    with pytest.raises(TensorError, match="dtype"):
+        k(x.double())
+    p = torch.nn.Parameter(torch.randn(5, 4))  # a subclass: the full checks, then it runs
+    assert torch.equal(k(p), p.detach())
+    g = torch.randn(5, 4, requires_grad=True)
+    assert torch.equal(k(g), g.detach())
+    n_calls = len(launch.calls)
+    assert k(torch.empty(0, 4)).shape == (0, 4) and len(launch.calls) == n_calls  # an empty batch: no launch
+    assert k(torch.empty(0, 4)).shape == (0, 4) and len(launch.calls) == n_calls  # planned, still no launch
+
+
+def test_a_plain_function_launcher_is_checked_every_call_and_replacing_it_drops_the_plans(monkeypatch):
+    seen = []
+    k = _toy_kernel(lambda x, y: seen.append(1) or y.copy_(x))
+    x = torch.randn(5, 4)
+    k(x)
+    k(x)
+    assert not k._plans and len(seen) == 2
+    k._launch = _Binder()
+    k(x)
+    assert len(k._plans) == 1
+    k._launch = lambda x, y: y.fill_(7.0)
+    assert not k._plans and bool((k(x) == 7.0).all())
+
+
+def test_the_fast_path_on_a_real_c_target_kernel(cache_dir):
+    """transpose (a row-strided input): views with one signature but other data come out right, each call."""
+    k = tkjit.get("transpose", {"rows": 8, "cols": 32, "dtype": "float32"}, arch="cpu")
+    for _ in range(4):
+        buf = torch.randn(8, 40)
+        x = buf[:, 8:40]  # rows of 40, 32-byte aligned start
+        assert torch.equal(k(x), x.T)
+    assert len(k._plans) == 1
+    with pytest.raises(TensorError, match="rows are not .*-byte aligned"):
+        k(torch.randn(8, 40)[:, 1:33])

@@ -19,7 +19,8 @@ from tkjit.kernel import CompiledKernel
 from tkjit.registry import get_spec
 from tkjit.tuning_db import choose_config
 
-_memo: dict[tuple, CompiledKernel] = {}  # exact get() arguments -> kernel (the hot path)
+_memo: dict[tuple, CompiledKernel] = {}  # exact get() arguments (canonical order) -> kernel
+_fast: dict[tuple, CompiledKernel] = {}  # get(name, dict, arch=...) as called -> kernel (the hot path)
 _by_key: dict[str, Callable[..., Any]] = {}  # cache key -> loaded launcher (one dlopen per binary)
 _lock = threading.Lock()
 _chosen: set[tuple] = set()  # (kernel, shape bucket, arch) whose config choice was logged
@@ -30,6 +31,7 @@ def reset() -> None:
     """Forget the in-process memo and cache handle (tests; after changing TKJIT_CACHE_DIR)."""
     with _lock:
         _memo.clear()
+        _fast.clear()
         _by_key.clear()
         reset_cache()
 
@@ -51,20 +53,34 @@ def get(
 
     Config: explicit -> tuned DB (user's, then shipped) -> nearest tuned bucket -> heuristic default.
     """
+    if not shape_kw and type(shape) is dict and config is None:
+        # The hot path (tkjit.ops): the dict as given, its keys in their order and its values with their
+        # types (1, 1.0 and True are equal keys, only one of them a valid int param), nothing sorted.
+        try:
+            fk = (name, arch, tuple(shape), tuple(shape.values()), tuple(map(type, shape.values())))
+            hit = _fast.get(fk)
+        except TypeError:  # an unhashable value: validation below says what
+            fk = hit = None
+        if hit is not None:
+            return hit
+    else:
+        fk = None
     try:
         mk = (name, _freeze(shape), _freeze(shape_kw), arch, _freeze(config))
         hit = _memo.get(mk)
     except (TypeError, AttributeError):  # unhashable values or not a mapping: validation below says what
         mk, hit = None, None
-    if hit is not None:
-        return hit
-    if shape is not None and not isinstance(shape, Mapping):
-        raise ShapeError(f"{brief(name)}: shape must be a mapping of param name -> value, got {brief(shape)}")
-    kernel = _resolve(name, {**(shape or {}), **shape_kw}, arch, config)
-    if mk is not None:
+    if hit is None:
+        if shape is not None and not isinstance(shape, Mapping):
+            raise ShapeError(f"{brief(name)}: shape must be a mapping of param name -> value, got {brief(shape)}")
+        hit = _resolve(name, {**(shape or {}), **shape_kw}, arch, config)
+        if mk is not None:
+            with _lock:
+                hit = _memo.setdefault(mk, hit)
+    if fk is not None:
         with _lock:
-            _memo[mk] = kernel
-    return kernel
+            _fast[fk] = hit
+    return hit
 
 
 def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -> CompiledKernel:

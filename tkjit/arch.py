@@ -43,15 +43,22 @@ def _device_arch(kind: str, index: int | None) -> str:
     raise TensorError(f"tensors on {kind} devices are not supported: tkjit kernels take CUDA (or CPU) tensors")
 
 
+_arch_by_device: dict = {}  # torch.device -> arch (a tensor's device always has its index)
+
+
 def arch_of(tensor) -> str:
     """The arch a tensor's device runs: 'cpu' (the C target) or its GPU's (looked up once per device)."""
     device = tensor.device
-    index = device.index
-    if device.type == "cuda" and index is None:
-        import torch
+    found = _arch_by_device.get(device)
+    if found is None:
+        index = device.index
+        if device.type == "cuda" and index is None:
+            import torch
 
-        index = torch.cuda.current_device()
-    return _device_arch(device.type, index)
+            index = torch.cuda.current_device()
+        found = _device_arch(device.type, index)  # raises for a device type no kernel runs on
+        _arch_by_device[device] = found
+    return found
 
 
 def check_arch(arch: str) -> str:

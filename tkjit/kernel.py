@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,17 +107,43 @@ class _ArgCheck:
     zeroed: bool = False  # an output that starts as zeros
 
 
-@dataclass
+_MAX_PLANS = 64  # call signatures remembered per kernel object (a serving loop sees a handful)
+
+
 class CompiledKernel:
-    spec: KernelSpec
-    shape: dict[str, Any]  # the canonical shape it was asked for (static + runtime)
-    config: dict[str, Any]
-    arch: str
-    key: str
-    config_source: str
-    path: Path
-    _launch: Callable[..., Any] = field(repr=False)
-    _checked_devices: set = field(default_factory=set, repr=False)
+    """The callable `tkjit.get` returns: checks a call's tensors, allocates its outputs, launches.
+
+    The first call with a given signature (each input's shape, strides, dtype and device) runs every
+    check; a call that passes leaves a plan for its signature (outputs' shapes, the launcher bound to
+    those shapes and strides), and later calls with that signature only check what the signature does
+    not fix: that each input is a plain tensor (not a FakeTensor or other subclass) and its data pointer's
+    alignment."""
+
+    def __init__(self, spec: KernelSpec, shape: dict[str, Any], config: dict[str, Any], arch: str, key: str,
+                 config_source: str, path: Path, _launch: Callable[..., Any], _checked_devices: set | None = None):
+        self.spec = spec
+        self.shape = shape  # the canonical shape it was asked for (static + runtime)
+        self.config = config
+        self.arch = arch
+        self.key = key
+        self.config_source = config_source
+        self.path = path
+        self._plans: dict[Any, Callable[[tuple], Any]] = {}
+        self._launch_fn = _launch
+        self._checked_devices = set() if _checked_devices is None else _checked_devices
+        self.__post_init__()
+
+    @property
+    def _launch(self) -> Callable[..., Any]:
+        return self._launch_fn
+
+    @_launch.setter
+    def _launch(self, fn: Callable[..., Any]) -> None:
+        self._launch_fn = fn
+        self._plans.clear()  # plans hold the launcher they were bound with
+
+    def __repr__(self) -> str:
+        return f"CompiledKernel({self.describe()})"
 
     def __post_init__(self) -> None:
         runtime = {p.name: p for p in self.spec.runtime_params}
@@ -160,6 +186,23 @@ class CompiledKernel:
 
         An empty batch (a runtime size of 0) launches nothing: outputs come back with their shapes,
         zeroed ones zero-filled."""
+        if out is None and not kw:
+            try:  # the fast path: a plan for this signature (see the class doc)
+                if len(args) == 1:
+                    t = args[0]
+                    plan = self._plans.get((t.shape, t.stride(), t.dtype, t.device))
+                else:
+                    plan = self._plans.get(tuple([(t.shape, t.stride(), t.dtype, t.device) for t in args]))
+            except Exception:  # not tensors, or unhashable: the full checks below name the problem
+                plan = None
+            if plan is not None:
+                got = plan(args)
+                if got is not None:
+                    return got
+        return self._call(args, out, kw)
+
+    def _call(self, args: tuple, out: Any, kw: dict[str, Any]):
+        """A call through every check; leaves a plan for its signature where the call is plain (see _plan)."""
         import torch
 
         if self._simple and not kw:
@@ -215,7 +258,8 @@ class CompiledKernel:
                     t.zero_()
         if device.type == "cuda" and device.index not in self._checked_devices:
             self._check_device(device)
-        if all(v != 0 for v in sizes.values()):  # an empty batch launches nothing
+        launched = all(v != 0 for v in sizes.values())  # an empty batch launches nothing
+        if launched:
             tensors = inputs if self._simple else [t for t, a in zip(inputs, self._in) if a.present]
             if any(t.requires_grad for t in tensors):
                 # A kernel call is not an autograd op (tkjit.autograd wraps the pairs that are);
@@ -229,7 +273,72 @@ class CompiledKernel:
                 raise LaunchError(f"{self.name}: launch failed: {type(e).__name__}: {e}") from e
         if self._inouts:
             outs = [inputs[i] for i in self._inouts] + outs
+        elif out is None and self._simple and not kw:
+            self._plan(inputs, outs, device, launched)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _plan(self, inputs: tuple, outs: list, device, launched: bool) -> None:
+        """Remember what a checked plain call (plain tensors, no out=, no scalars) fixed for its signature:
+        the outputs' shapes and dtypes and the launcher bound to these shapes and strides. What the
+        signature does not fix is checked again by the plan at each call: that every input is a plain
+        torch.Tensor, and that its data pointer is aligned as the kernel reads it (a plan refuses to
+        serve otherwise, and the full checks run)."""
+        import torch
+
+        tensor = torch.Tensor
+        if any(type(t) is not tensor for t in inputs) or not outs:
+            return
+        bind = getattr(self._launch, "bind", None)
+        if launched and bind is None:  # a plain function as launcher (tests): every call is checked
+            return
+        if len(inputs) == 1:  # the key __call__ looks up
+            t = inputs[0]
+            sig = (t.shape, t.stride(), t.dtype, t.device)
+        else:
+            sig = tuple([(t.shape, t.stride(), t.dtype, t.device) for t in inputs])
+        go = bind([*inputs, *outs], len(inputs)) if launched else None
+        aligned = tuple((i, a.align) for i, a in enumerate(self._in) if a.align > 1)
+        specs = tuple((tuple(o.shape), o.dtype) for o in outs)
+        empty, name = torch.empty, self.name
+
+        if len(inputs) == 1 and len(specs) == 1:  # the common form, without the loops
+            (shape, dtype), = specs
+            align = aligned[0][1] if aligned else 1
+
+            def plan(args: tuple):
+                x, = args
+                if type(x) is not tensor or x.data_ptr() % align:
+                    return None
+                y = empty(shape, dtype=dtype, device=device)
+                if go is not None:
+                    try:
+                        go(args, (y,))
+                    except LaunchError:
+                        raise
+                    except Exception as e:
+                        raise LaunchError(f"{name}: launch failed: {type(e).__name__}: {e}") from e
+                return y
+        else:
+            def plan(args: tuple):
+                for t in args:
+                    if type(t) is not tensor:
+                        return None
+                for i, align in aligned:
+                    if args[i].data_ptr() % align:
+                        return None
+                got = [empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+                if go is not None:
+                    try:
+                        go(args, got)
+                    except LaunchError:
+                        raise
+                    except Exception as e:
+                        raise LaunchError(f"{name}: launch failed: {type(e).__name__}: {e}") from e
+                return got[0] if len(got) == 1 else tuple(got)
+
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[sig] = plan
 
     def _split_args(self, args: tuple, kw: dict) -> tuple[list, list, dict[str, int]]:
         """(inputs, scalar values in spec order, caller-given sizes) from a call's arguments."""

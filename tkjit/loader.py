@@ -1,8 +1,12 @@
 """Load a verified artifact into a callable, without importing the TileLang compiler.
 
-CUDA artifacts are tvm_ffi executables: `tvm_ffi` plus TileLang's small `libtvm_runtime.so`
-(which registers the CUDA module loader) is all they need. CPU (C target) artifacts expose a
-plain C ABI and are called through ctypes.
+CUDA artifacts are tvm_ffi executables: `libtvm_ffi.so` plus TileLang's small `libtvm_runtime.so`
+(which registers the CUDA module loader) is all they need; they are called through the tvm-ffi C
+ABI (tkjit/ffi.py), without importing the `tvm_ffi` Python package. CPU (C target) artifacts expose
+a plain C ABI and are called through ctypes.
+
+Both launchers take (tensors..., scalars...) and have `bind(tensors)`: a launcher specialised on
+those tensors' shapes and strides, which `CompiledKernel` keeps per call signature.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tkjit.errors import LaunchError
+
+if TYPE_CHECKING:
+    from tkjit.ffi import FfiKernel
 
 _rt_lock = threading.Lock()
 _rt_loaded = False
@@ -65,7 +72,9 @@ def _load_tilelang_runtime() -> None:
             _tl_loaded = True
 
 
-def _load_tvm_ffi(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
+def _load_tvm_ffi_py(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
+    """The artifact through the `tvm_ffi` Python package (a reference for tests and tools; `load` uses the
+    C ABI, `_load_tvm_ffi`, which spares the ~100 ms import)."""
     tvm_ffi = _import_tvm_ffi()
     if meta["abi"].get("tilelang_runtime", True) and not _tl_loaded:
         _load_tilelang_runtime()
@@ -79,7 +88,66 @@ def _load_tvm_ffi(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
     return launch
 
 
-def _load_ctypes(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
+def _load_tvm_ffi(lib: Path, meta: dict[str, Any]) -> FfiKernel:
+    from tkjit import ffi
+
+    ffi.load_runtime(_tilelang_lib_dir)
+    if meta["abi"].get("tilelang_runtime", True) and not _tl_loaded:
+        _load_tilelang_runtime()
+    scalars = [s["dtype"] for s in meta["abi"].get("scalars", ())]
+    return ffi.FfiKernel(ffi.load_function(lib, "main"), scalars)
+
+
+class CtypesKernel:
+    """A C-target kernel: `int call(T* tensors..., scalars..., int32 sizes/strides...)` through ctypes.
+
+    Called with the tensors then the scalars; `bind(tensors)` gives a launcher specialised on those tensors'
+    shapes and strides (the int args computed once), for `CompiledKernel`'s per-signature fast path."""
+
+    def __init__(self, dll: ctypes.CDLL, dyn: list[tuple[int, int, bool]], scalar_types: list[Any]):
+        self._dll = dll
+        self._dyn = dyn
+        self._scalar_types = scalar_types
+        self._call = dll.call
+        self._call.restype = ctypes.c_int
+        self._typed = False
+
+    def _dims(self, tensors: Sequence[Any]) -> tuple[int, ...]:
+        return tuple(tensors[a].stride(ax) if st else tensors[a].shape[ax] for a, ax, st in self._dyn)
+
+    def _type_args(self, n_tensors: int) -> None:
+        # Typed args: ctypes converts plain ints/floats in C (no ctypes object per argument per call).
+        if not self._typed:
+            self._call.argtypes = ([ctypes.c_void_p] * n_tensors + self._scalar_types
+                                   + [ctypes.c_int32] * len(self._dyn))
+            self._typed = True
+
+    def _fail(self, rc: int) -> None:
+        raise LaunchError(f"kernel returned {rc}: {self._dll.get_last_error().decode(errors='replace')}")
+
+    def __call__(self, *given: Any) -> None:
+        n = len(given) - len(self._scalar_types)
+        tensors = given[:n]
+        self._type_args(n)
+        rc = self._call(*[t.data_ptr() for t in tensors], *given[n:], *self._dims(tensors))
+        if rc != 0:
+            self._fail(rc)
+
+    def bind(self, tensors: Sequence[Any], n_in: int | None = None) -> Callable[..., None]:
+        """launch(inputs, outputs, scalars=()) for tensors of these shapes and strides (inputs then outputs;
+        n_in, how many are inputs, is the FfiKernel's parameter: here the order alone matters)."""
+        self._type_args(len(tensors))
+        dims, call, fail = self._dims(tensors), self._call, self._fail
+
+        def launch(ins: Sequence[Any], outs: Sequence[Any], scalars: Sequence[Any] = ()) -> None:
+            rc = call(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in outs], *scalars, *dims)
+            if rc != 0:
+                fail(rc)
+
+        return launch
+
+
+def _load_ctypes(lib: Path, meta: dict[str, Any]) -> CtypesKernel:
     dll = ctypes.CDLL(str(lib), mode=os.RTLD_LOCAL)
     dll.get_last_error.restype = ctypes.c_char_p
     if dll.init() != 0:
@@ -88,23 +156,7 @@ def _load_ctypes(lib: Path, meta: dict[str, Any]) -> Callable[..., Any]:
     dyn = [(int(d["arg"]), int(d["stride"]), True) if "stride" in d else (int(d["arg"]), int(d["axis"]), False)
            for d in meta["abi"]["dynamic"]]
     # Scalars follow the tensor pointers (they are the PrimFunc's last params), before the sizes.
-    ctypes_of = [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())]
-    n_scalars = len(ctypes_of)
-    call = dll.call
-    call.restype = ctypes.c_int
-
-    def launch(*given):
-        tensors = given[: len(given) - n_scalars] if n_scalars else given
-        args = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
-        if n_scalars:
-            args += [c(v) for c, v in zip(ctypes_of, given[len(tensors):])]
-        args += [ctypes.c_int32(tensors[a].stride(ax) if st else tensors[a].shape[ax]) for a, ax, st in dyn]
-        rc = call(*args)
-        if rc != 0:
-            raise LaunchError(f"kernel returned {rc}: {dll.get_last_error().decode(errors='replace')}")
-
-    launch._dll = dll
-    return launch
+    return CtypesKernel(dll, dyn, [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())])
 
 
 _C_SCALARS = {
