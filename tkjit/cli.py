@@ -651,6 +651,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--storage", default=None, metavar="URL",
                    help="journal:PATH, a .log path or an Optuna URL (default: the cache's journal)")
     q.add_argument("-o", "--out", required=True, metavar="PNG")
+    q.add_argument("--title", default=None)
     q.set_defaults(fn=cmd_plot_study)
     return ap
 
@@ -672,7 +673,7 @@ def cmd_plot_study(args) -> int:
     storage = plot.open_journal(args.storage)
     name = plot.pick_study(storage, kernel=args.name, shape=shape, arch=args.arch)
     trials = plot.study_trials(storage, name)
-    out = plot.study_chart(trials, args.out, title=plot.study_title(name))
+    out = plot.study_chart(trials, args.out, title=args.title or plot.study_title(name))
     print(f"wrote {out} ({len(trials)} trials of {plot.study_title(name)})")
     return 0
 
