@@ -8,6 +8,7 @@ and compute with it.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 import sys
@@ -194,3 +195,43 @@ def test_a_real_tilelang_artifact_checks_the_c_abi_args_as_tvm_ffis(cache_dir, b
     assert str(ours.value) == f"kernel launch failed: RuntimeError: {ref.value}"
     assert {"device": "device_type mismatch", "dtype": "dtype mismatch", "arity": "num_args should be 2",
             "shape": "shape[1]"}[bad] in str(ours.value)
+
+
+class _OnCuda:
+    """A CPU tensor that says it is on cuda:1 (the CUDA launch path, run on this host)."""
+
+    def __init__(self, t):
+        self.t, self.device, self.shape, self.dtype = t, torch.device("cuda", 1), t.shape, t.dtype
+
+    def stride(self, *a):
+        return self.t.stride(*a)
+
+    def dim(self):
+        return self.t.dim()
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+
+def test_a_cuda_launch_runs_on_torchs_current_stream_and_restores_the_env_stream(module_path, monkeypatch):
+    current = {"stream": 0x1234}
+    monkeypatch.setattr(ffi, "_raw_stream", lambda: lambda index: current["stream"] if index == 1 else -1)
+    k = ffi.FfiKernel(ffi.load_function(module_path, "stream"), [])
+    rec = torch.zeros(1, dtype=torch.int64)
+    t = _OnCuda(rec)
+    go = k.bind([t], 1)
+    env = ffi.lib().TVMFFIEnvGetStream
+    assert env(ffi.KDL_CUDA, 1) is None
+    go((t,), ())
+    assert rec.item() == 0x1234 and env(ffi.KDL_CUDA, 1) is None  # set for the call, then restored
+    current["stream"] = 0  # the legacy default stream
+    go((t,), ())
+    assert rec.item() == 0 and env(ffi.KDL_CUDA, 1) is None
+    prev = ctypes.c_void_p()
+    ffi.lib().TVMFFIEnvSetStream(ffi.KDL_CUDA, 1, 0x99, ctypes.byref(prev))  # another library's stream
+    try:
+        current["stream"] = 0x5678
+        go((t,), ())
+        assert rec.item() == 0x5678 and env(ffi.KDL_CUDA, 1) == 0x99
+    finally:
+        ffi.lib().TVMFFIEnvSetStream(ffi.KDL_CUDA, 1, prev, None)

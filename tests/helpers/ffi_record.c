@@ -1,7 +1,8 @@
 /* A tvm-ffi module for tests/test_ffi.py: `main` records every argument as it received it (the DLTensor
    fields, scalar bits) into the int64 tensor `rec` (its third argument) and, given
-   (x, y, rec, k, a, flag) with float32 x and y (as many elements), writes y = x * a + (flag ? k : 0); `twice` writes y = 2 * x.
-   Both accept a tensor as a DLTensor* or a tensor object, as TileLang's host code does. */
+   (x, y, rec, k, a, flag) with float32 x and y (as many elements), writes y = x * a + (flag ? k : 0);
+   `twice` writes y = 2 * x; `stream` records the env stream. All accept a tensor as a DLTensor* or a tensor object, as
+   TileLang's host code does. */
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <stdint.h>
@@ -58,5 +59,13 @@ TVM_FFI_DLL_EXPORT int __tvm_ffi_twice(void* self, const TVMFFIAny* args, int32_
   int64_t numel = 1;
   for (int d = 0; d < x->ndim; ++d) numel *= x->shape[d];
   for (int64_t i = 0; i < numel; ++i) ((float*)y->data)[i] = 2.0f * ((float*)x->data)[i];
+  return 0;
+}
+
+/* stream(rec): rec[0] = the env stream of rec's device during the call (what a CUDA kernel launches on). */
+TVM_FFI_DLL_EXPORT int __tvm_ffi_stream(void* self, const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result) {
+  DLTensor* rec = num_args == 1 ? tensor_of(&args[0]) : NULL;
+  if (!rec) { TVMFFIErrorSetRaisedFromCStr("TypeError", "stream takes one tensor"); return -1; }
+  ((int64_t*)rec->data)[0] = (int64_t)(intptr_t)TVMFFIEnvGetStream(rec->device.device_type, rec->device.device_id);
   return 0;
 }
