@@ -174,3 +174,15 @@ def test_committed_h200_chart_is_current():
     png = ROOT / "benchmarks" / "h200" / "bench.png"
     assert png.exists() and png.read_bytes().startswith(PNG)
     assert json.loads(H200.read_text())["meta"]["gpu"] == "NVIDIA H200"
+
+
+def test_bench_tool_redraws_from_json(tmp_path):
+    import subprocess
+
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--from-json", str(H200), "--plot", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "NVIDIA H200" in r.stdout and "sinkhorn_bwd" in r.stdout and f"wrote {out}" in r.stdout
+    _png(out)

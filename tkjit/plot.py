@@ -42,6 +42,11 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), layout="constrained")
 
 
+def require_matplotlib() -> None:
+    """Raise the install hint now when matplotlib is absent (a tool checks before a long run)."""
+    _figure(1, 1)
+
+
 def _save(fig, out: str | os.PathLike) -> Path:
     path = Path(out)
     if path.suffix.lower() not in (".png", ".svg", ".pdf"):

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Benchmark every kernel: tkjit (default and tuned) vs TileKernels vs torch eager vs torch.compile.
 
-    python tools/bench.py [--kernels sinkhorn_fwd ...] [--json out.json] [--reps 50]
+    python tools/bench.py [--kernels sinkhorn_fwd ...] [--shape k=v ...] [--json out.json] [--plot out.png]
+    python tools/bench.py --from-json benchmarks/h200/2026-12-02_bench_tuned.json --plot out.png   # no GPU
+
+--plot draws each implementation's bandwidth against the copy ceiling (`tkjit plot bench`; needs
+`pip install 'tkjit[plot]'`). --shape (one kernel) replaces the kernel's shapes from tools/baselines.py.
 
 Median of CUDA-event timings, L2 flushed before each run, fresh random inputs, warm-up excluded;
 the copy ceiling is measured in the same run. Prints one table and writes JSON.
@@ -84,17 +88,45 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> int:
+    from tkjit.cli import add_shape_arg, parse_shape
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", nargs="*", default=None)
+    add_shape_arg(ap, help="one kernel's shape instead of tools/baselines.py's (e.g. --shape num_tokens=4096 n=4)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the chart (needs tkjit[plot])")
+    ap.add_argument("--from-json", default=None, metavar="JSON",
+                    help="no run: print the table (and --plot the chart) of a JSON this tool wrote")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
     args = ap.parse_args()
+    if args.from_json:
+        from tkjit import plot
+
+        doc = plot.load_bench(args.from_json)
+        meta = doc.get("meta", {})
+        print(f"# {meta.get('gpu')}  copy ceiling {meta.get('copy_ceiling_gbs')} GB/s  {meta.get('date')}")
+        print_table(doc["rows"])
+        if args.plot:
+            print(f"wrote {plot.bench_chart(doc, args.plot)}")
+        return 0
+    if args.plot:  # before the run: a missing matplotlib must not cost a whole benchmark
+        from tkjit import plot
+
+        plot.require_matplotlib()
     names = args.kernels or [s.name for s in tkjit.all_specs() if s.name in SHAPES]
+    shapes = dict(SHAPES)
+    if args.shape:
+        if len(names) != 1:
+            ap.error("--shape takes one kernel: --kernels NAME --shape k=v ...")
+        try:
+            shapes[names[0]] = [parse_shape(args.shape)]
+        except ValueError as e:  # UsageError: said as argparse says its own
+            ap.error(str(e))
     ceiling = copy_ceiling_gbs()
     rows = []
     for name in names:
-        rows += bench_kernel(name, SHAPES[name], args.reps, ceiling, not args.no_compile)
+        rows += bench_kernel(name, shapes[name], args.reps, ceiling, not args.no_compile)
     meta = {
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
         "copy_ceiling_gbs": round(ceiling, 1), "torch": torch.__version__, "tkjit": tkjit.__version__,
@@ -106,6 +138,10 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.plot:
+        from tkjit import plot
+
+        print(f"wrote {plot.bench_chart({'meta': meta, 'rows': rows}, args.plot)}")
     return 0
 
 
