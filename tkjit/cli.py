@@ -321,7 +321,7 @@ def cmd_show(args) -> int:
     from tkjit.build import cache
 
     mine = [r for r in cache().entries() if r.get("kernel") == spec.name]
-    print(f"  cached  {len(mine)} entries")
+    print(f"  cached  {len(mine)} {'entry' if len(mine) == 1 else 'entries'}")
     for r in mine:
         print(f"    {r['key'][:12]} {r.get('arch')} {_compact(r.get('shape', {}))} {_compact(r.get('config', {}))} "
               f"({_source(r)})")
