@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tkjit.errors import LaunchError, ShapeError, TensorError
 from tkjit.spec import Align, KernelSpec, ScalarArg, resolve_dim
@@ -94,8 +93,7 @@ def _no_data(t) -> bool:
         return True
 
 
-@dataclass
-class _ArgCheck:
+class _ArgCheck(NamedTuple):  # a NamedTuple, not a dataclass: it is built at import (a fresh process's start)
     name: str
     dtype: Any
     dims: list[tuple[str | None, int]]  # (runtime param, multiple it is rounded up to) or (None, static size)
