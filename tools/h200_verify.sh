@@ -7,6 +7,8 @@
 #   tools/h200_verify.sh suite     # every GPU test file but the every-config ones, then tools/hostcost.py
 #   tools/h200_verify.sh widened   # per_token_cast (partial last groups, group 16) and topk_gate (any
 #                                  # expert count) files in full, every-config tests included
+#   tools/h200_verify.sh runtime   # the C-ABI launch path (ffi, abi, sinkhorn, torch ops), partial cast
+#                                  # groups, odd expert counts, host cost and cold start
 #   tools/h200_verify.sh strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #                                  # short, host cost, and the transpose / per_token_cast benchmark
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -69,6 +71,24 @@ strided)
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 8; done
   grep -E "strided|contiguous" "$OUT"/pytest_transpose.txt "$OUT"/pytest_per_token_cast.txt | head -20
   cat "$OUT/hostcost.txt"; tail -n 30 "$OUT/bench.txt"
+  ;;
+runtime)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  timeout 100 $PYTEST tests/gpu/test_gpu_ffi.py > "$OUT/pytest_ffi.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_ffi.txt"
+  timeout 60 $PYTEST tests/gpu/test_gpu_abi.py tests/gpu/test_gpu_sinkhorn.py -k "not every" \
+    > "$OUT/pytest_abi_sinkhorn.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_abi_sinkhorn.txt"
+  timeout 110 $PYTEST tests/gpu/test_gpu_torch_ops.py > "$OUT/pytest_torch_ops.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_torch_ops.txt"
+  timeout 90 $PYTEST -s tests/gpu/test_gpu_per_token_cast.py -k partial > "$OUT/pytest_per_token_cast.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_per_token_cast.txt"
+  timeout 80 $PYTEST -s tests/gpu/test_gpu_topk_gate.py \
+    -k "any_expert_count or (head_list and (72 or 1000)) or per_token or empty or bad" > "$OUT/pytest_topk_gate.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_topk_gate.txt"
+  timeout 40 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
+  timeout 40 python tools/coldstart.py --runs 5 --breakdown > "$OUT/coldstart.txt" 2>&1
+  for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 8; done
+  grep -E "us|ratio" "$OUT/pytest_topk_gate.txt" | grep -v "^tests" | head -10
+  cat "$OUT/hostcost.txt" "$OUT/coldstart.txt"
   ;;
 widened)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
