@@ -45,9 +45,16 @@ DISABLE_JIT = EnvVar(
     "1: serve only cached kernels; a miss raises JitDisabledError (`tkjit compile` refuses to run)",
 )
 
+CHECK_INDICES = EnvVar(
+    "TKJIT_CHECK_INDICES", "0",
+    "1: ops taking index tensors (MoE routing maps, expert and group ids) check every entry on the host before "
+    "launching and raise TensorError naming the first bad one (one device sync per call). Unset, the kernels "
+    "still never access memory out of bounds: an out-of-range entry is treated as -1 (skipped)",
+)
+
 REGISTRY: tuple[EnvVar, ...] = (
     CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, TUNING_DB, LOG,
-    PRINT_CONFIGS, DISABLE_JIT,
+    PRINT_CONFIGS, DISABLE_JIT, CHECK_INDICES,
 )
 
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

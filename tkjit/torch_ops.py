@@ -30,6 +30,7 @@ import torch
 
 from tkjit.api import get
 from tkjit.arch import arch_of
+from tkjit.envs import CHECK_INDICES, flag
 from tkjit.errors import ConfigError, TensorError
 from tkjit.kernel import dtype_name, torch_dtype
 
@@ -58,6 +59,25 @@ def _need(x, ndim, what: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() not in ndim:
         want = " or ".join(f"{n}-D" for n in ndim)
         raise TensorError(f"{what}: expected a {want} tensor, got {getattr(x, 'shape', type(x).__name__)}")
+
+
+def check_indices(op: str, name: str, t: torch.Tensor, hi: int, lo: int = -1) -> None:
+    """With TKJIT_CHECK_INDICES=1: TensorError unless every entry of the index tensor t is in [lo, hi).
+
+    Off by default (it costs a device sync); the kernels never access memory out of bounds either way.
+    """
+    if not _check_indices_on() or t.numel() == 0 or t.is_meta:
+        return
+    bad = ((t < lo) | (t >= hi)).nonzero()
+    if bad.numel():
+        where = tuple(int(i) for i in bad[0])
+        raise TensorError(
+            f"{op}: {name}{list(where)} = {int(t[where])} is out of range [{lo}, {hi})"
+        )
+
+
+def _check_indices_on() -> bool:
+    return flag(CHECK_INDICES)
 
 
 def _fake_check(name: str, shape: dict, *tensors: torch.Tensor) -> None:
