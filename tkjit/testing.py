@@ -33,8 +33,10 @@ def poisoned_outputs(kernel: CompiledKernel, sizes: dict[str, Any], device) -> l
 
 
 def reference_outputs(spec: KernelSpec, full: dict[str, Any], inputs: Sequence[torch.Tensor]) -> tuple:
-    """The spec's reference outputs for `inputs`, always a tuple (computed on CPU copies of them)."""
-    ref = spec.reference(full, *[t.cpu() for t in inputs])
+    """The spec's reference outputs for `inputs`, always a tuple (computed on CPU copies of them).
+
+    inputs: the tensors, then the values of the spec's scalars (passed to the reference as they are)."""
+    ref = spec.reference(full, *[t.cpu() if isinstance(t, torch.Tensor) else t for t in inputs])
     return tuple(ref) if isinstance(ref, (tuple, list)) else (ref,)
 
 
@@ -56,13 +58,25 @@ def run_against_reference(
     spec = kernel.spec
     runtime = {p.name: full[p.name] for p in spec.runtime_params}
     dev = torch.device(inputs[0].device if inputs else device)
+    inouts = [i for i, a in enumerate(spec.inputs) if a.inout]
+    if inouts:
+        # An in-place kernel changes its inputs: the reference sees them first, and the kernel runs on
+        # copies, so the caller's inputs (a tuner's study data) stay as they were.
+        if refs is None:
+            refs = reference_outputs(spec, full, inputs)
+        inputs = [t.clone() if i in inouts else t for i, t in enumerate(inputs)]
     outs = poisoned_outputs(kernel, runtime, dev)
     kernel(*inputs, out=outs)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     if refs is None:
         refs = reference_outputs(spec, full, inputs)
-    for (name, _, _), o, r in zip(spec.output_decls(full), outs, refs):
+    # What the call returns, in its order: the inout inputs, then the outputs. A reference that gives only
+    # the outputs leaves the inout inputs unchecked: they are scratch space (get_fused_mapping's workspace).
+    decls = spec.output_decls(full)
+    results = [(spec.inputs[i].name, inputs[i]) for i in inouts] if len(refs) > len(decls) else []
+    results += [(name, o) for (name, _, _), o in zip(decls, outs)]
+    for (name, o), r in zip(results, refs):
         problem = spec.tolerance.check(name, o.cpu(), r)
         if problem:
             return outs, problem
