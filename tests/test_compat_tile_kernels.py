@@ -38,7 +38,8 @@ MODULES = DATA["modules"]
 SERVED = {
     "config": {"get_device_num_sms", "set_num_sms", "get_num_sms", "get_max_smem_per_sm"},
     "": {"get_num_sms", "get_device_num_sms", "set_num_sms"},
-    "moe": {"topk_gate"},
+    "moe": {"get_fused_mapping", "topk_gate", "normalize_weight", "mask_indices_by_tp", "inplace_unique_group_indices",
+            "group_count", "aux_fi", "topk_sum_and_topk_group_idx", "expand_to_fused", "reduce_fused"},
     "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize"},

@@ -100,3 +100,112 @@ def transpose(x: torch.Tensor, *, config=None) -> torch.Tensor:
     if _eager(x):
         return torch_ops.transpose_impl(x, encode_config(config))
     return _transpose(x, encode_config(config))
+
+
+def normalize_weight(topk_weights: torch.Tensor, *, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, num_topk) float32 -> (denominator, normalized): the in-order float32 sum from 1e-20
+    and the weights divided by it, bit-identical to TileKernels."""
+    if _eager(topk_weights):
+        return torch_ops.normalize_weight_impl(topk_weights, encode_config(config))
+    return torch.ops.tkjit.normalize_weight.default(topk_weights, encode_config(config))
+
+
+def mask_indices_by_tp(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank: int, num_tp_ranks: int, *,
+                       config=None) -> torch.Tensor:
+    """int32/int64 expert indices -> this TP rank's local expert indices, -1 for other ranks' experts."""
+    if _eager(indices):
+        return torch_ops.mask_indices_by_tp_impl(indices, n, num_ep_ranks, tp_rank, num_tp_ranks, encode_config(config))
+    return torch.ops.tkjit.mask_indices_by_tp.default(indices, n, num_ep_ranks, tp_rank, num_tp_ranks,
+                                                      encode_config(config))
+
+
+def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int, *, config=None) -> None:
+    """In place on (num_tokens, num_topk) int64: repeats of a group id in a row after its first occurrence -> -1."""
+    if _eager(group_indices):
+        return torch_ops.inplace_unique_group_indices_impl(group_indices, num_groups, encode_config(config))
+    return torch.ops.tkjit.inplace_unique_group_indices.default(group_indices, num_groups, encode_config(config))
+
+
+def group_count(group_idx: torch.Tensor, num_groups: int, *, config=None) -> torch.Tensor:
+    """int64 (num_tokens, num_topk) ids -> int32 (num_groups,) counts; entries < 0 (or >= num_groups) skipped."""
+    if _eager(group_idx):
+        return torch_ops.group_count_impl(group_idx, num_groups, encode_config(config))
+    return torch.ops.tkjit.group_count.default(group_idx, num_groups, encode_config(config))
+
+
+def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int, *, config=None) -> torch.Tensor:
+    """int64 (num_tokens, num_topk) expert ids -> float32 (num_experts,) f_i = count * num_experts /
+    (num_tokens * num_aux_topk), bit-identical to TileKernels' torch reference on the CPU."""
+    if _eager(topk_idx):
+        return torch_ops.aux_fi_impl(topk_idx, num_experts, num_aux_topk, encode_config(config))
+    return torch.ops.tkjit.aux_fi.default(topk_idx, num_experts, num_aux_topk, encode_config(config))
+
+
+def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int, *,
+                                config=None) -> torch.Tensor:
+    """(num_tokens, num_groups, experts_per_group) float32 -> int64 (num_tokens, num_topk_groups): the groups
+    with the largest sums of their num_topk_sum (1 or 2) best scores, best first, ties to the smaller group."""
+    if _eager(scores):
+        return torch_ops.topk_sum_and_topk_group_idx_impl(scores, num_topk_sum, num_topk_groups,
+                                                          encode_config(config))
+    return torch.ops.tkjit.topk_sum_and_topk_group_idx.default(scores, num_topk_sum, num_topk_groups,
+                                                               encode_config(config))
+
+
+def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_expert: torch.Tensor, *,
+                    config=None) -> torch.Tensor:
+    """x (num_tokens, hidden) -> (num_expanded_tokens, hidden): row t copied to every valid position
+    token_topk_to_pos[t, k]; padding rows (pos_to_expert < 0) zero; bit-exact (TileKernels semantics)."""
+    if _eager(x, token_topk_to_pos, pos_to_expert):
+        return torch_ops.expand_to_fused_impl(x, token_topk_to_pos, pos_to_expert, encode_config(config))
+    return torch.ops.tkjit.expand_to_fused.default(x, token_topk_to_pos, pos_to_expert, encode_config(config))
+
+
+def reduce_fused(x: torch.Tensor, topk_weights: torch.Tensor | None, token_topk_to_pos: torch.Tensor,
+                 fp8_format: str = "", sf: torch.Tensor | None = None, x_sf: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """x (num_expanded_tokens, hidden) bf16/f32 -> (num_tokens, hidden): each token's valid rows summed in
+    slot order with one FMA per slot (topk_weights times x_sf[pos]), times sf, cast to x's dtype or e4m3
+    (fp8_format='e4m3'). out: written in place and returned."""
+    tensors = [t for t in (x, topk_weights, token_topk_to_pos, sf, x_sf, out) if t is not None]
+    cfg = encode_config(config)
+    if out is not None:
+        if _eager(*tensors):
+            torch_ops.reduce_fused_out_impl(x, topk_weights, token_topk_to_pos, out, fp8_format, sf, x_sf, cfg)
+        else:
+            torch.ops.tkjit.reduce_fused_out.default(x, topk_weights, token_topk_to_pos, out, fp8_format, sf, x_sf,
+                                                     cfg)
+        return out
+    if _eager(*tensors):
+        return torch_ops.reduce_fused_impl(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, cfg)
+    return torch.ops.tkjit.reduce_fused.default(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, cfg)
+
+
+def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tokens: int, alignment: int,
+                      force_no_sync: bool = False, *, config=None) -> tuple:
+    """MoE routing's expert-major layout, TileKernels' `moe.get_fused_mapping`: (pos_to_expert, pos_to_token,
+    pos_to_token_topk, token_topk_to_pos, expert_start, expert_end, num_tokens_per_expert,
+    num_tokens_per_expert_list).
+
+    num_expanded_tokens=0 and not force_no_sync: the maps are sized to the largest layout possible, then
+    one host sync reads num_tokens_per_expert (the list, python ints) and the three pos_* maps are cut to
+    its sum. Otherwise the maps have num_expanded_tokens rows (positions past the layout hold -1;
+    entries whose position falls at or past it are dropped) and the list is []."""
+    from kernel_specs.moe.get_fused_mapping import upper_bound
+
+    should_sync = num_expanded_tokens == 0 and not force_no_sync
+    if should_sync:
+        n, k = topk_idx.shape
+        num_expanded_tokens = upper_bound(n, k, num_experts, alignment)
+    if _eager(topk_idx):
+        outs = torch_ops.get_fused_mapping_impl(topk_idx, num_experts, num_expanded_tokens, alignment,
+                                                encode_config(config))
+    else:
+        outs = torch.ops.tkjit.get_fused_mapping.default(topk_idx, num_experts, num_expanded_tokens, alignment,
+                                                         encode_config(config))
+    counts: list[int] = []
+    if should_sync:
+        counts = outs[6].tolist()
+        total = sum(counts)
+        outs = (*(t[:total] for t in outs[:3]), *outs[3:])
+    return (*outs, counts)

@@ -6,6 +6,9 @@
     torch.ops.tkjit.per_token_cast(x, group=128, round_scale=False, config=None)           # (q, scales)
     torch.ops.tkjit.per_token_cast_colmajor(x, group=128, round_scale=False, config=None)  # (q, padded storage)
     torch.ops.tkjit.transpose(x, config=None)                                               # 2-D or 3-D
+    torch.ops.tkjit.normalize_weight(topk_weights, config=None)                             # (denominator, normalized)
+    torch.ops.tkjit.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks, config=None)
+    torch.ops.tkjit.inplace_unique_group_indices(group_indices, num_groups, config=None)   # in place, None
 
 Each op's real implementation is `tkjit.get(...)(...)`: the shape is read off the tensors, the kernel
 comes from the memo, the disk cache or a compile. Its fake implementation computes the outputs'
@@ -31,7 +34,7 @@ import torch
 from tkjit.api import get
 from tkjit.arch import arch_of
 from tkjit.envs import CHECK_INDICES, flag
-from tkjit.errors import ConfigError, TensorError
+from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.kernel import dtype_name, torch_dtype
 
 TMA_ALIGN = 4  # per_token_cast_colmajor pads the token axis of its scales to a multiple of this
@@ -273,3 +276,368 @@ def _(x, config=None):
     name = "batched_transpose" if x.dim() == 3 else "transpose"
     _fake_check(name, {"cols": int(x.shape[-1]), "dtype": dtype_name(x.dtype)}, x)
     return x.new_empty((*x.shape[:-2], x.shape[-1], x.shape[-2]))
+
+
+# -- normalize_weight -------------------------------------------------------------------------------
+
+def normalize_weight_impl(topk_weights, config=None):
+    """(num_tokens, num_topk) float32 -> (denominator (num_tokens,), normalized (num_tokens, num_topk))."""
+    _need(topk_weights, (2,), "normalize_weight")
+    shape = {"num_tokens": max(1, topk_weights.shape[0]), "num_topk": topk_weights.shape[1]}
+    return get("normalize_weight", shape, arch=arch_of(topk_weights), config=_config(config))(topk_weights)
+
+
+normalize_weight = torch.library.custom_op(
+    "tkjit::normalize_weight", mutates_args=(),
+    schema="(Tensor topk_weights, str? config=None) -> (Tensor, Tensor)",
+)(normalize_weight_impl)
+
+
+@normalize_weight.register_fake
+def _(topk_weights, config=None):
+    _need(topk_weights, (2,), "normalize_weight")
+    _fake_check("normalize_weight", {"num_topk": int(topk_weights.shape[1])}, topk_weights)
+    return topk_weights.new_empty((topk_weights.shape[0],)), topk_weights.new_empty(topk_weights.shape)
+
+
+# -- mask_indices_by_tp -----------------------------------------------------------------------------
+
+def tp_scalars(op: str, n: int, num_ep_ranks: int, tp_rank: int, num_tp_ranks: int) -> tuple[int, int, int]:
+    """The kernel's (per_gpu, tp_rank, num_tp_ranks), or ShapeError naming the bad argument: sizes
+    positive, n >= num_ep_ranks (per_gpu = n // num_ep_ranks >= 1, as TileKernels divides by it),
+    0 <= tp_rank < num_tp_ranks, num_tp_ranks * per_gpu within int32 (the kernel's arithmetic)."""
+    for name, v in (("n", n), ("num_ep_ranks", num_ep_ranks), ("tp_rank", tp_rank), ("num_tp_ranks", num_tp_ranks)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ShapeError(f"{op}: {name} must be an int, got {v!r}")
+    if num_ep_ranks < 1:
+        raise ShapeError(f"{op}: num_ep_ranks ({num_ep_ranks}) must be >= 1")
+    if n < num_ep_ranks:
+        raise ShapeError(f"{op}: n ({n}) must be >= num_ep_ranks ({num_ep_ranks}): n // num_ep_ranks experts per GPU")
+    if num_tp_ranks < 1:
+        raise ShapeError(f"{op}: num_tp_ranks ({num_tp_ranks}) must be >= 1")
+    if not 0 <= tp_rank < num_tp_ranks:
+        raise ShapeError(f"{op}: tp_rank ({tp_rank}) must be in [0, num_tp_ranks ({num_tp_ranks}))")
+    per_gpu = n // num_ep_ranks
+    if per_gpu * num_tp_ranks >= 1 << 31:
+        raise ShapeError(f"{op}: num_tp_ranks * (n // num_ep_ranks) = {per_gpu * num_tp_ranks} exceeds int32")
+    return per_gpu, tp_rank, num_tp_ranks
+
+
+def _need_index_dtype(x, what: str) -> None:
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TensorError(f"{what}: indices has dtype {x.dtype}, expected torch.int32 or torch.int64")
+
+
+def mask_indices_by_tp_impl(indices, n, num_ep_ranks, tp_rank, num_tp_ranks, config=None):
+    """(num_tokens, num_topk) int32/int64 expert indices -> this TP rank's local indices, -1 elsewhere."""
+    _need(indices, (2,), "mask_indices_by_tp")
+    _need_index_dtype(indices, "mask_indices_by_tp")
+    scalars = tp_scalars("mask_indices_by_tp", n, num_ep_ranks, tp_rank, num_tp_ranks)
+    check_indices("mask_indices_by_tp", "indices", indices, n)
+    shape = {"num_tokens": max(1, indices.shape[0]), "num_topk": indices.shape[1], "dtype": dtype_name(indices.dtype)}
+    return get("mask_indices_by_tp", shape, arch=arch_of(indices), config=_config(config))(indices, *scalars)
+
+
+mask_indices_by_tp = torch.library.custom_op(
+    "tkjit::mask_indices_by_tp", mutates_args=(),
+    schema="(Tensor indices, int n, int num_ep_ranks, int tp_rank, int num_tp_ranks, str? config=None) -> Tensor",
+)(mask_indices_by_tp_impl)
+
+
+@mask_indices_by_tp.register_fake
+def _(indices, n, num_ep_ranks, tp_rank, num_tp_ranks, config=None):
+    _need(indices, (2,), "mask_indices_by_tp")
+    _need_index_dtype(indices, "mask_indices_by_tp")
+    tp_scalars("mask_indices_by_tp", n, num_ep_ranks, tp_rank, num_tp_ranks)
+    _fake_check("mask_indices_by_tp", {"num_topk": int(indices.shape[1]), "dtype": dtype_name(indices.dtype)}, indices)
+    return torch.empty_like(indices, memory_format=torch.contiguous_format)
+
+
+# -- inplace_unique_group_indices -------------------------------------------------------------------
+
+def inplace_unique_group_indices_impl(group_indices, num_groups, config=None):
+    """In place on (num_tokens, num_topk) int64: repeats of an id in [0, num_groups) after its first
+    occurrence in the row become -1. Returns None."""
+    _need(group_indices, (2,), "inplace_unique_group_indices")
+    check_indices("inplace_unique_group_indices", "group_indices", group_indices, num_groups)
+    shape = {"num_tokens": max(1, group_indices.shape[0]), "num_topk": group_indices.shape[1], "num_groups": num_groups}
+    get("inplace_unique_group_indices", shape, arch=arch_of(group_indices), config=_config(config))(group_indices)
+
+
+inplace_unique_group_indices = torch.library.custom_op(
+    "tkjit::inplace_unique_group_indices", mutates_args=("group_indices",),
+    schema="(Tensor(a!) group_indices, int num_groups, str? config=None) -> ()",
+)(inplace_unique_group_indices_impl)
+
+
+@inplace_unique_group_indices.register_fake
+def _(group_indices, num_groups, config=None):
+    _need(group_indices, (2,), "inplace_unique_group_indices")
+    _fake_check("inplace_unique_group_indices",
+                {"num_topk": int(group_indices.shape[1]), "num_groups": num_groups}, group_indices)
+
+
+# -- group_count -------------------------------------------------------------------------------------
+
+def group_count_impl(group_idx, num_groups, config=None):
+    """int64 (num_tokens, num_topk) ids -> int32 (num_groups,) counts; entries < 0 (or >= num_groups) skipped."""
+    _need(group_idx, (2,), "group_count")
+    check_indices("group_count", "group_idx", group_idx, num_groups)
+    shape = {"num_tokens": max(1, group_idx.shape[0]), "num_topk": group_idx.shape[1], "num_groups": num_groups}
+    return get("group_count", shape, arch=arch_of(group_idx), config=_config(config))(group_idx)
+
+
+group_count = torch.library.custom_op(
+    "tkjit::group_count", mutates_args=(), schema="(Tensor group_idx, int num_groups, str? config=None) -> Tensor"
+)(group_count_impl)
+
+
+@group_count.register_fake
+def _(group_idx, num_groups, config=None):
+    _need(group_idx, (2,), "group_count")
+    _fake_check("group_count", {"num_topk": int(group_idx.shape[1]), "num_groups": num_groups}, group_idx)
+    return group_idx.new_empty((num_groups,), dtype=torch.int32)
+
+
+# -- aux_fi ------------------------------------------------------------------------------------------
+
+def aux_fi_impl(topk_idx, num_experts, num_aux_topk, config=None):
+    """int64 (num_tokens, num_topk) expert ids -> float32 (num_experts,)
+    count * num_experts / (num_tokens * num_aux_topk); entries < 0 (or >= num_experts) skipped."""
+    _need(topk_idx, (2,), "aux_fi")
+    check_indices("aux_fi", "topk_idx", topk_idx, num_experts)
+    shape = {"num_tokens": max(1, topk_idx.shape[0]), "num_topk": topk_idx.shape[1], "num_experts": num_experts}
+    fi, _counts = get("aux_fi", shape, arch=arch_of(topk_idx), config=_config(config))(topk_idx, num_aux_topk)
+    return fi
+
+
+aux_fi = torch.library.custom_op(
+    "tkjit::aux_fi", mutates_args=(),
+    schema="(Tensor topk_idx, int num_experts, int num_aux_topk, str? config=None) -> Tensor",
+)(aux_fi_impl)
+
+
+@aux_fi.register_fake
+def _(topk_idx, num_experts, num_aux_topk, config=None):
+    _need(topk_idx, (2,), "aux_fi")
+    _fake_check("aux_fi", {"num_topk": int(topk_idx.shape[1]), "num_experts": num_experts}, topk_idx)
+    return topk_idx.new_empty((num_experts,), dtype=torch.float32)
+
+
+# -- topk_sum_and_topk_group_idx ---------------------------------------------------------------------
+
+def _group_shape(scores, num_topk_sum, num_topk_groups):
+    return {"num_groups": scores.shape[1], "num_experts_per_group": scores.shape[2],
+            "num_topk_sum": num_topk_sum, "num_topk_groups": num_topk_groups}
+
+
+def topk_sum_and_topk_group_idx_impl(scores, num_topk_sum, num_topk_groups, config=None):
+    """(num_tokens, num_groups, experts_per_group) float32 -> int64 (num_tokens, num_topk_groups): the groups
+    with the largest sums of their num_topk_sum best scores, best first, ties to the smaller group."""
+    _need(scores, (3,), "topk_sum_and_topk_group_idx")
+    shape = {"num_tokens": max(1, scores.shape[0]), **_group_shape(scores, num_topk_sum, num_topk_groups)}
+    return get("topk_sum_and_topk_group_idx", shape, arch=arch_of(scores), config=_config(config))(scores)
+
+
+topk_sum_and_topk_group_idx = torch.library.custom_op(
+    "tkjit::topk_sum_and_topk_group_idx", mutates_args=(),
+    schema="(Tensor scores, int num_topk_sum, int num_topk_groups, str? config=None) -> Tensor",
+)(topk_sum_and_topk_group_idx_impl)
+
+
+@topk_sum_and_topk_group_idx.register_fake
+def _(scores, num_topk_sum, num_topk_groups, config=None):
+    _need(scores, (3,), "topk_sum_and_topk_group_idx")
+    shape = _group_shape(scores, num_topk_sum, num_topk_groups)
+    _fake_check("topk_sum_and_topk_group_idx", {k: int(v) for k, v in shape.items()}, scores)
+    return scores.new_empty((scores.shape[0], num_topk_groups), dtype=torch.int64)
+
+
+# -- expand_to_fused ---------------------------------------------------------------------------------
+
+def expand_to_fused_impl(x, token_topk_to_pos, pos_to_expert, config=None):
+    """x (num_tokens, hidden) -> (num_expanded_tokens, hidden): row t copied to each valid position
+    token_topk_to_pos[t, k], padding rows (pos_to_expert < 0) zero; bit-exact, any element type."""
+    _need(x, (2,), "expand_to_fused")
+    _need(token_topk_to_pos, (2,), "expand_to_fused")
+    _need(pos_to_expert, (1,), "expand_to_fused")
+    (n, h), p = x.shape, pos_to_expert.shape[0]
+    check_indices("expand_to_fused", "token_topk_to_pos", token_topk_to_pos, p)
+    if n == 0:  # nothing launches: every row is padding or unmapped, zero (TileKernels' reference)
+        return x.new_zeros((p, h))
+    shape = {"num_tokens": n, "num_expanded_tokens": max(1, p), "hidden": h,
+             "num_topk": token_topk_to_pos.shape[1], "dtype": dtype_name(x.dtype)}
+    return get("expand_to_fused", shape, arch=arch_of(x), config=_config(config))(x, token_topk_to_pos, pos_to_expert)
+
+
+expand_to_fused = torch.library.custom_op(
+    "tkjit::expand_to_fused", mutates_args=(),
+    schema="(Tensor x, Tensor token_topk_to_pos, Tensor pos_to_expert, str? config=None) -> Tensor",
+)(expand_to_fused_impl)
+
+
+@expand_to_fused.register_fake
+def _(x, token_topk_to_pos, pos_to_expert, config=None):
+    _need(x, (2,), "expand_to_fused")
+    _need(token_topk_to_pos, (2,), "expand_to_fused")
+    _need(pos_to_expert, (1,), "expand_to_fused")
+    _fake_check("expand_to_fused", {"hidden": int(x.shape[1]), "num_topk": int(token_topk_to_pos.shape[1]),
+                                    "dtype": dtype_name(x.dtype)}, x, token_topk_to_pos, pos_to_expert)
+    torch._check(token_topk_to_pos.shape[0] == x.shape[0],
+                 lambda: "expand_to_fused: x and token_topk_to_pos differ in num_tokens")
+    return x.new_empty((pos_to_expert.shape[0], x.shape[1]))
+
+
+# -- reduce_fused ------------------------------------------------------------------------------------
+
+_REDUCE_ARGS = "Tensor x, Tensor? topk_weights, Tensor token_topk_to_pos, str fp8_format='', Tensor? sf=None, " \
+               "Tensor? x_sf=None"
+
+
+def _reduce_static(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf) -> dict:
+    if fp8_format not in ("", "e4m3"):
+        raise ShapeError(f"reduce_fused: fp8_format must be '' or 'e4m3', got {fp8_format!r}")
+    return {"hidden": int(x.shape[1]), "num_topk": int(token_topk_to_pos.shape[1]), "in_dtype": dtype_name(x.dtype),
+            "e4m3_out": fp8_format == "e4m3", "has_weights": topk_weights is not None,
+            "has_x_sf": x_sf is not None, "has_sf": sf is not None}
+
+
+def _reduce(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, config, out):
+    for t in (x, token_topk_to_pos):
+        _need(t, (2,), "reduce_fused")
+    static = _reduce_static(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf)
+    n, p = token_topk_to_pos.shape[0], x.shape[0]
+    check_indices("reduce_fused", "token_topk_to_pos", token_topk_to_pos, p)
+    shape = {"num_tokens": max(1, n), "num_expanded_tokens": max(1, p), **static}
+    kern = get("reduce_fused", shape, arch=arch_of(x), config=_config(config))
+    args = [t for t in (x, topk_weights, token_topk_to_pos, sf, x_sf) if t is not None]
+    if p == 0 and n:  # no rows to read: every slot is skipped, each token sums to +0 (nothing launches)
+        got = kern(*args, out=out) if out is not None else kern(*args)
+        return got.zero_()
+    return kern(*args, out=out) if out is not None else kern(*args)
+
+
+def reduce_fused_impl(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, x_sf=None, config=None):
+    """(num_expanded_tokens, hidden) bf16/f32 -> (num_tokens, hidden) x's dtype or e4m3: each token's
+    valid rows summed in slot order, one FMA per slot (weight times x_sf[pos]), times sf, cast."""
+    return _reduce(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, config, None)
+
+
+reduce_fused = torch.library.custom_op(
+    "tkjit::reduce_fused", mutates_args=(), schema=f"({_REDUCE_ARGS}, str? config=None) -> Tensor",
+)(reduce_fused_impl)
+
+
+def _reduce_fake(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf):
+    for t in (x, token_topk_to_pos):
+        _need(t, (2,), "reduce_fused")
+    static = _reduce_static(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf)
+    tensors = [t for t in (x, topk_weights, token_topk_to_pos, sf, x_sf) if t is not None]
+    from tkjit.registry import get_spec
+
+    spec = get_spec("reduce_fused")
+    full = spec.canonical_shape({**static, "num_tokens": 1, "num_expanded_tokens": 1})
+    for t, arg in zip(tensors, [a for a in spec.inputs if a.present(full)]):
+        dtype, dims = arg.resolve(full)
+        if t.dtype != torch_dtype(dtype) or t.dim() != len(dims):
+            raise TensorError(f"reduce_fused: input {arg.name} has dtype {t.dtype} and shape {tuple(t.shape)}, "
+                              f"expected {torch_dtype(dtype)} with {len(dims)} dims")
+    torch._check(token_topk_to_pos.shape[0] == (topk_weights.shape[0] if topk_weights is not None else
+                                                token_topk_to_pos.shape[0]),
+                 lambda: "reduce_fused: topk_weights and token_topk_to_pos differ in num_tokens")
+    return torch.float8_e4m3fn if static["e4m3_out"] else x.dtype
+
+
+@reduce_fused.register_fake
+def _(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, x_sf=None, config=None):
+    dtype = _reduce_fake(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf)
+    return x.new_empty((token_topk_to_pos.shape[0], x.shape[1]), dtype=dtype)
+
+
+def reduce_fused_out_impl(x, topk_weights, token_topk_to_pos, out, fp8_format="", sf=None, x_sf=None, config=None):
+    """reduce_fused into the caller's `out` (num_tokens, hidden), contiguous, of the output dtype."""
+    _reduce(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, config, out)
+
+
+reduce_fused_out = torch.library.custom_op(
+    "tkjit::reduce_fused_out", mutates_args=("out",),
+    schema="(Tensor x, Tensor? topk_weights, Tensor token_topk_to_pos, Tensor(a!) out, str fp8_format='', "
+           "Tensor? sf=None, Tensor? x_sf=None, str? config=None) -> ()",
+)(reduce_fused_out_impl)
+
+
+@reduce_fused_out.register_fake
+def _(x, topk_weights, token_topk_to_pos, out, fp8_format="", sf=None, x_sf=None, config=None):
+    _reduce_fake(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf)
+
+
+# -- get_fused_mapping -----------------------------------------------------------------------------
+
+_FUSED_SCHEMA = ("(Tensor topk_idx, int num_experts, int num_expanded_tokens, int alignment, str? config=None) -> "
+                 "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment) -> dict:
+    _need(topk_idx, (2,), "get_fused_mapping")
+    if not isinstance(num_expanded_tokens, int) or num_expanded_tokens < 0:
+        raise ShapeError(f"get_fused_mapping: num_expanded_tokens must be an int >= 0, got {num_expanded_tokens!r}")
+    # Runtime sizes of 0 launch nothing: the impl builds those outputs itself (see below).
+    return {"num_tokens": max(1, topk_idx.shape[0]), "num_expanded_tokens": max(1, num_expanded_tokens),
+            "num_topk": topk_idx.shape[1], "num_experts": num_experts, "alignment": alignment}
+
+
+def get_fused_mapping_impl(topk_idx, num_experts, num_expanded_tokens, alignment, config=None):
+    """topk_idx (num_tokens, num_topk) int64 -> (pos_to_expert, pos_to_token, pos_to_token_topk: int32
+    (num_expanded_tokens,); token_topk_to_pos int32 (num_tokens, num_topk); expert_start, expert_end,
+    num_tokens_per_expert: int32 (num_experts,)). Entries outside [-1, num_experts) count as -1; positions
+    at or past num_expanded_tokens are dropped (token_topk_to_pos -1), or with TKJIT_CHECK_INDICES=1 a
+    ShapeError (one device sync)."""
+    from kernel_specs.moe.get_fused_mapping import MAX_BLOCKS
+
+    shape = _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment)
+    check_indices("get_fused_mapping", "topk_idx", topk_idx, num_experts)
+    n, k = topk_idx.shape
+    dev, i32 = topk_idx.device, torch.int32
+    if n == 0:  # nothing routed: every position is padding, every segment empty (shape checked all the same)
+        from tkjit.registry import get_spec
+
+        get_spec("get_fused_mapping").canonical_shape(shape)
+        pos = [torch.full((num_expanded_tokens,), -1, dtype=i32, device=dev) for _ in range(3)]
+        return (*pos, torch.empty((0, k), dtype=i32, device=dev),
+                *[torch.zeros(num_experts, dtype=i32, device=dev) for _ in range(3)])
+    kernel = get("get_fused_mapping", shape, arch=arch_of(topk_idx), config=_config(config))
+    # The workspace of per-block counts: its content on entry is ignored.
+    workspace = torch.empty((MAX_BLOCKS, num_experts), dtype=i32, device=dev)
+    _, *outs = kernel(topk_idx, workspace, num_expanded_tokens=shape["num_expanded_tokens"])
+    if num_expanded_tokens == 0:  # launched into 1-row maps: everything is dropped, the maps are empty
+        outs[:3] = [torch.empty(0, dtype=i32, device=dev) for _ in range(3)]
+        outs[3].fill_(-1)  # (the entry the kernel put at row 0)
+    if _check_indices_on() and num_tokens_layout(outs) > num_expanded_tokens:
+        raise ShapeError(
+            f"get_fused_mapping: the layout needs {num_tokens_layout(outs)} rows but num_expanded_tokens is "
+            f"{num_expanded_tokens}: positions past it were dropped (pass 0 to size it, or a larger buffer)"
+        )
+    return tuple(outs)
+
+
+def num_tokens_layout(outs) -> int:
+    """Rows the layout takes (expert_end[-1]); a device sync."""
+    return int(outs[5][-1]) if outs[5].numel() else 0
+
+
+get_fused_mapping = torch.library.custom_op(
+    "tkjit::get_fused_mapping", mutates_args=(), schema=_FUSED_SCHEMA
+)(get_fused_mapping_impl)
+
+
+@get_fused_mapping.register_fake
+def _(topk_idx, num_experts, num_expanded_tokens, alignment, config=None):
+    _need(topk_idx, (2,), "get_fused_mapping")
+    if num_expanded_tokens < 0:
+        raise ShapeError(f"get_fused_mapping: num_expanded_tokens must be an int >= 0, got {num_expanded_tokens!r}")
+    _fake_check("get_fused_mapping", {"num_topk": int(topk_idx.shape[1]), "num_experts": num_experts,
+                                      "alignment": alignment}, topk_idx)
+    i32 = torch.int32
+    pos = [topk_idx.new_empty((num_expanded_tokens,), dtype=i32) for _ in range(3)]
+    return (*pos, topk_idx.new_empty(tuple(topk_idx.shape), dtype=i32),
+            *[topk_idx.new_empty((num_experts,), dtype=i32) for _ in range(3)])

@@ -144,3 +144,270 @@ SHAPES: dict[str, list[Shape]] = {
     ],
     "transpose": [{"rows": 16384, "cols": 7168, "dtype": "bfloat16"}, {"rows": 4001, "cols": 576, "dtype": "bfloat16"}],
 }
+
+
+# -- normalize_weight, mask_indices_by_tp, inplace_unique_group_indices ------------------------------
+
+def _normalize_weight_torch(shape):
+    def f(w):
+        s = torch.full((w.shape[0],), 1e-20, dtype=torch.float32, device=w.device)
+        for j in range(w.shape[1]):
+            s = s + w[:, j]
+        return s, w / s[:, None]
+
+    return f
+
+
+def _normalize_weight_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.moe import normalize_weight
+
+    (w,) = inputs
+    return lambda: normalize_weight(w)
+
+
+def _mask_tp_torch(shape):
+    def f(x, per_gpu, tp_rank, num_tp_ranks):
+        g = x.div(per_gpu, rounding_mode="floor")
+        keep = (x >= 0) & (g.remainder(num_tp_ranks) == tp_rank)
+        return torch.where(keep, g.div(num_tp_ranks, rounding_mode="floor") * per_gpu + x.remainder(per_gpu), -1)
+
+    return f
+
+
+def _mask_tp_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.moe import mask_indices_by_tp
+
+    x, per_gpu, tp_rank, num_tp_ranks = inputs
+    num_ep_ranks = 8  # any: TileKernels only uses n // num_ep_ranks
+    return lambda: mask_indices_by_tp(x, per_gpu * num_ep_ranks, num_ep_ranks, tp_rank, num_tp_ranks)
+
+
+def _unique_groups_torch(shape):
+    groups = shape["num_groups"]
+
+    def f(x):  # in place, as the kernel (after the first call there is nothing left to clear)
+        k = x.shape[1]
+        earlier = torch.ones(k, k, dtype=torch.bool, device=x.device).tril(-1)
+        repeat = ((x[:, :, None] == x[:, None, :]) & earlier).any(-1)
+        x.masked_fill_(repeat & (x >= 0) & (x < groups), -1)
+
+    return f
+
+
+def _unique_groups_tk(shape, inputs):
+    if _tile_kernels() is None or shape["num_groups"] > 128:
+        return None
+    from tile_kernels.moe import inplace_unique_group_indices
+
+    (x,) = inputs
+    x = x.clone()
+    x[(x < -1) | (x >= shape["num_groups"])] = -1  # TileKernels asserts on out-of-range ids
+    return lambda: inplace_unique_group_indices(x, shape["num_groups"])
+
+
+TORCH.update({"normalize_weight": _normalize_weight_torch, "mask_indices_by_tp": _mask_tp_torch,
+              "inplace_unique_group_indices": _unique_groups_torch})
+TILE_KERNELS.update({"normalize_weight": _normalize_weight_tk, "mask_indices_by_tp": _mask_tp_tk,
+                     "inplace_unique_group_indices": _unique_groups_tk})
+SHAPES.update({
+    "normalize_weight": [{"num_tokens": 8192, "num_topk": 8}, {"num_tokens": 65536, "num_topk": 8}],
+    "mask_indices_by_tp": [{"num_tokens": 8192, "num_topk": 8, "dtype": "int64"},
+                           {"num_tokens": 65536, "num_topk": 8, "dtype": "int64"}],
+    "inplace_unique_group_indices": [{"num_tokens": 8192, "num_topk": 8, "num_groups": 8},
+                                     {"num_tokens": 65536, "num_topk": 8, "num_groups": 8}],
+})
+
+
+# -- get_fused_mapping -------------------------------------------------------------------------------
+
+def _fused_mapping_torch(shape):
+    from kernel_specs.moe.get_fused_mapping import reference
+
+    # The spec's plain-torch reference (stable sort by expert); the workspace input is ignored.
+    return lambda topk_idx, workspace: reference(shape, topk_idx, workspace)
+
+
+def _fused_mapping_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.moe import get_fused_mapping
+
+    topk_idx, _ = inputs
+    e, nexp, a = shape["num_experts"], shape["num_expanded_tokens"], shape["alignment"]
+    topk_idx = topk_idx.clone()
+    topk_idx[(topk_idx < -1) | (topk_idx >= e)] = -1  # TileKernels writes out of bounds on out-of-range ids
+    return lambda: get_fused_mapping(topk_idx, e, nexp, a)
+
+
+def _fused_shape(tokens, k, e, a):
+    from kernel_specs.moe.get_fused_mapping import upper_bound
+
+    return {"num_tokens": tokens, "num_topk": k, "num_experts": e, "alignment": a,
+            "num_expanded_tokens": upper_bound(tokens, k, e, a)}
+
+
+TORCH["get_fused_mapping"] = _fused_mapping_torch
+TILE_KERNELS["get_fused_mapping"] = _fused_mapping_tk
+SHAPES["get_fused_mapping"] = [_fused_shape(8192, 8, 256, 128), _fused_shape(8192, 8, 256, 64),
+                               _fused_shape(4001, 8, 256, 128), _fused_shape(65536, 8, 256, 128)]
+
+
+# -- group_count, aux_fi, topk_sum_and_topk_group_idx ------------------------------------------------
+
+def _group_count_torch(shape):
+    groups = shape["num_groups"]
+
+    def f(idx):
+        flat = idx.reshape(-1)
+        return torch.bincount(flat[(flat >= 0) & (flat < groups)], minlength=groups).int()
+
+    return f
+
+
+def _group_count_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.moe import group_count
+
+    (idx,) = inputs
+    if ((idx >= shape["num_groups"]) | (idx < -1)).any():  # TileKernels asserts on out-of-range ids
+        idx = idx.clamp(-1, shape["num_groups"] - 1)
+    return lambda: group_count(idx, shape["num_groups"])
+
+
+def _aux_fi_torch(shape):
+    experts = shape["num_experts"]
+
+    def f(idx, num_aux_topk):
+        flat = idx.reshape(-1)
+        counts = torch.bincount(flat[(flat >= 0) & (flat < experts)], minlength=experts)
+        return counts.float() * experts / (idx.shape[0] * num_aux_topk)
+
+    return f
+
+
+def _aux_fi_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.moe import aux_fi
+
+    idx, num_aux_topk = inputs
+    if ((idx >= shape["num_experts"]) | (idx < -1)).any():
+        idx = idx.clamp(-1, shape["num_experts"] - 1)
+    return lambda: aux_fi(idx, shape["num_experts"], num_aux_topk)
+
+
+def _topk_sum_torch(shape):
+    ks, kg = shape["num_topk_sum"], shape["num_topk_groups"]
+
+    def f(scores):
+        sums = scores.topk(ks, dim=-1, sorted=False).values.sum(-1)
+        return torch.sort(sums, dim=-1, descending=True, stable=True).indices[:, :kg]
+
+    return f
+
+
+def _topk_sum_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.moe import topk_sum_and_topk_group_idx
+
+    (scores,) = inputs
+    return lambda: topk_sum_and_topk_group_idx(scores, shape["num_topk_sum"], shape["num_topk_groups"])
+
+
+TORCH.update({"group_count": _group_count_torch, "aux_fi": _aux_fi_torch,
+              "topk_sum_and_topk_group_idx": _topk_sum_torch})
+TILE_KERNELS.update({"group_count": _group_count_tk, "aux_fi": _aux_fi_tk,
+                     "topk_sum_and_topk_group_idx": _topk_sum_tk})
+SHAPES.update({
+    "group_count": [{"num_tokens": n, "num_topk": 8, "num_groups": 256} for n in (4096, 8192, 65536)],
+    "aux_fi": [{"num_tokens": n, "num_topk": 8, "num_experts": 256} for n in (4096, 8192, 65536)],
+    "topk_sum_and_topk_group_idx": [
+        {"num_tokens": n, "num_groups": 8, "num_experts_per_group": 32, "num_topk_sum": 2, "num_topk_groups": 4}
+        for n in (8192, 65536)
+    ],
+})
+
+
+# -- expand_to_fused, reduce_fused -------------------------------------------------------------------
+# Odd-seed inputs hold out-of-range positions (tkjit skips them); TileKernels and the torch versions read
+# through them, so they get the positions with those entries set to -1 (what tkjit does with them).
+
+def _in_range(pos, rows):
+    return torch.where((pos >= 0) & (pos < rows), pos, -1)
+
+
+def _expand_torch(shape):
+    def f(x, pos, pos_to_expert):
+        pos = _in_range(pos, pos_to_expert.shape[0])
+        out = torch.zeros((pos_to_expert.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        flat = pos.reshape(-1).long()
+        ok = flat >= 0
+        out[flat[ok]] = x.repeat_interleave(pos.shape[1], 0)[ok]
+        return out
+
+    return f
+
+
+def _expand_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.moe import expand_to_fused
+
+    x, pos, pos_to_expert = inputs
+    pos = _in_range(pos, pos_to_expert.shape[0])
+    return lambda: expand_to_fused(x, pos, pos_to_expert)
+
+
+def _reduce_torch(shape):
+    from kernel_specs.moe.reduce_fused import split_inputs
+
+    def f(*inputs):  # the weighted sum in float32 (multiply-adds, not bit-exact FMAs)
+        x, w, pos, sf, x_sf = split_inputs(shape, inputs)
+        pos = _in_range(pos, x.shape[0])
+        ok = (pos >= 0)[..., None]
+        rows = x[pos.clamp(min=0).long()].float()
+        s = w if w is not None else torch.ones(pos.shape, device=x.device)
+        if x_sf is not None:
+            s = s * x_sf[pos.clamp(min=0).long()]
+        acc = (rows * s[..., None] * ok).sum(1)
+        if sf is not None:
+            acc = acc * sf[0]
+        return acc.to(torch.float8_e4m3fn if shape["e4m3_out"] else x.dtype)
+
+    return f
+
+
+def _reduce_tk(shape, inputs):
+    if _tile_kernels() is None or shape["hidden"] % 256:
+        return None  # TileKernels' reduce_fused takes hidden multiples of 256 only
+    from tile_kernels.moe import reduce_fused
+
+    from kernel_specs.moe.reduce_fused import split_inputs
+
+    x, w, pos, sf, x_sf = split_inputs(shape, inputs)
+    pos = _in_range(pos, x.shape[0])
+    xq = (x, x_sf) if x_sf is not None else x
+    fmt = "e4m3" if shape["e4m3_out"] else ""
+    return lambda: reduce_fused(xq, w, pos, fmt, sf)
+
+
+TORCH.update({"expand_to_fused": _expand_torch, "reduce_fused": _reduce_torch})
+TILE_KERNELS.update({"expand_to_fused": _expand_tk, "reduce_fused": _reduce_tk})
+_FUSED_ROWS = 8192 * 8 + 256 * 64  # 8192 tokens, top-8, 256 experts aligned to 64 (upper bound of the padding)
+SHAPES.update({
+    "expand_to_fused": [
+        {"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": h, "num_topk": 8, "dtype": "bfloat16"}
+        for h in (7168, 4096, 576)
+    ] + [{"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": 7168, "num_topk": 8,
+          "dtype": "float8_e4m3fn"}],
+    "reduce_fused": [
+        {"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": h, "num_topk": 8} for h in (7168, 4096)
+    ] + [{"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": 7168, "num_topk": 8, "e4m3_out": True,
+          "has_x_sf": True, "has_sf": True}],
+})

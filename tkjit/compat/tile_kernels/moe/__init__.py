@@ -1,4 +1,7 @@
-"""TileKernels' `moe`: MoE routing kernels. tkjit serves `topk_gate`; the others raise
+"""TileKernels' `moe`: MoE routing kernels. tkjit serves `topk_gate`, `normalize_weight`,
+`mask_indices_by_tp`, `inplace_unique_group_indices`, `group_count`, `aux_fi`,
+`topk_sum_and_topk_group_idx`, `get_fused_mapping`, `expand_to_fused`, `reduce_fused`;
+the others raise
 NotImplementedError naming them."""
 
 from __future__ import annotations
@@ -8,7 +11,8 @@ import torch
 from tkjit import ops
 from tkjit.compat.tile_kernels._support import as_int, missing, require_kernel, rows_aligned, tensor
 from tkjit.compat.tile_kernels.quant.types import QuantTensor
-from tkjit.errors import ShapeError
+from tkjit.errors import ShapeError, TensorError
+from tkjit.torch_ops import tp_scalars
 
 FAMILY = "moe"
 __all__ = [
@@ -45,7 +49,40 @@ def get_fused_mapping(
     alignment: int,
     force_no_sync: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    raise missing("moe.get_fused_mapping", FAMILY)
+    """The expert-major ("fused") layout of the routing in topk_idx and the maps both ways.
+
+    topk_idx (num_tokens, num_topk) int64, contiguous, -1 = no expert (entries outside [-1, num_experts)
+    count as -1). Each expert's segment is align(count, alignment) rows, in expert order; its entries in
+    increasing token * num_topk + slot, then -1 padding. num_expanded_tokens=0 and not force_no_sync:
+    sized to the largest layout, one host sync, pos_* cut to sum(num_tokens_per_expert_list). A buffer
+    smaller than the layout drops the positions past it (their token_topk_to_pos is -1; TileKernels
+    writes out of bounds there); with TKJIT_CHECK_INDICES=1 it is a ShapeError.
+
+    Identical to TileKernels in the layout (pos_to_expert, expert_start/end, num_tokens_per_expert, the
+    list), in which entries each segment holds, and in which are dropped. The order inside a segment
+    differs: TileKernels' follows its warps' chunks of the flat entries (reversed inside each chunk), so it
+    depends on its SM count; tkjit's is the flat order whatever the config. expand_to_fused and
+    reduce_fused give the same results with either.
+    """
+    fn = "moe.get_fused_mapping"
+    tensor(fn, "topk_idx", topk_idx, (2,), (torch.int64,))
+    if not topk_idx.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: topk_idx must be contiguous, got strides {topk_idx.stride()}")
+    num_tokens, num_topk = topk_idx.shape
+    e = as_int(fn, "num_experts", num_experts)
+    n_exp = as_int(fn, "num_expanded_tokens", num_expanded_tokens)
+    a = as_int(fn, "alignment", alignment)
+    if e < 1 or a < 1 or n_exp < 0 or num_topk < 1:
+        raise ShapeError(f"tile_kernels.{fn}: needs num_experts >= 1 (got {e}), alignment >= 1 (got {a}), "
+                         f"num_expanded_tokens >= 0 (got {n_exp}) and num_topk >= 1 (got {num_topk})")
+    if not isinstance(force_no_sync, bool):
+        raise ShapeError(f"tile_kernels.{fn}: force_no_sync must be a bool, got {type(force_no_sync).__name__}")
+    require_kernel(fn, FAMILY, "get_fused_mapping", {"num_experts": e, "num_topk": num_topk, "alignment": a},
+                   {"num_experts": "num_experts", "num_topk": "num_topk (topk_idx.shape[1])",
+                    "alignment": "alignment", "num_tokens": "num_tokens (topk_idx.shape[0])",
+                    "num_expanded_tokens": "num_expanded_tokens"},
+                   {"num_tokens": max(1, num_tokens), "num_expanded_tokens": max(1, n_exp)})
+    return ops.get_fused_mapping(topk_idx, e, n_exp, a, force_no_sync)
 
 
 def reduce_fused(
@@ -56,11 +93,81 @@ def reduce_fused(
     sf: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    raise missing("moe.reduce_fused", FAMILY)
+    """Each token's rows of the fused layout summed back: out[t] = sum over valid k, in order, of
+    fma(float(x[pos]), topk_weights[t, k] (or 1) * x_sf[pos] (when x is a QuantTensor), acc), times
+    sf[0] when given, cast to x's dtype or e4m3 (fp8_format='e4m3', saturating). Bit-identical to
+    TileKernels. x (num_expanded_tokens, hidden) bfloat16/float32, hidden a multiple of 256."""
+    fn = "moe.reduce_fused"
+    x_sf = None
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise TensorError(f"tile_kernels.{fn}: x as a QuantTensor must be a (data, sf) pair, got {len(x)} items")
+        x, x_sf = x
+    tensor(fn, "x", x, (2,))
+    tensor(fn, "token_topk_to_pos", token_topk_to_pos, (2,), (torch.int32,))
+    num_expanded_tokens, hidden = x.shape
+    num_tokens, num_topk = token_topk_to_pos.shape
+    if hidden % 256:
+        raise ShapeError(f"tile_kernels.{fn}: hidden (x.shape[1] = {hidden}) must be a multiple of 256")
+    if fp8_format not in ("", "e4m3"):
+        raise ShapeError(f"tile_kernels.{fn}: fp8_format must be '' or 'e4m3', got {fp8_format!r}")
+    if fp8_format == "" and sf is not None:
+        raise ShapeError(f"tile_kernels.{fn}: sf is only taken with an FP8 output (fp8_format='e4m3')")
+    if topk_weights is not None:
+        tensor(fn, "topk_weights", topk_weights, (2,), (torch.float32,))
+        if tuple(topk_weights.shape) != (num_tokens, num_topk):
+            raise TensorError(f"tile_kernels.{fn}: topk_weights has shape {tuple(topk_weights.shape)}, expected "
+                              f"{(num_tokens, num_topk)} (token_topk_to_pos's)")
+    if sf is not None:
+        tensor(fn, "sf", sf, (1,), (torch.float32,))
+    if x_sf is not None:
+        tensor(fn, "x's sf", x_sf, (1,), (torch.float32,))
+        if x_sf.shape[0] != num_expanded_tokens:
+            raise TensorError(f"tile_kernels.{fn}: x's sf has {x_sf.shape[0]} rows, x has {num_expanded_tokens}")
+    out_dtype = torch.float8_e4m3fn if fp8_format == "e4m3" else x.dtype
+    if out is not None:
+        tensor(fn, "out", out, (2,), (out_dtype,))
+        if tuple(out.shape) != (num_tokens, hidden):
+            raise TensorError(f"tile_kernels.{fn}: out has shape {tuple(out.shape)}, expected {(num_tokens, hidden)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise missing(fn, FAMILY, f"x of dtype {x.dtype} (tkjit reduces bfloat16 and float32)")
+    if num_tokens == 0:
+        return out if out is not None else torch.empty((0, hidden), dtype=out_dtype, device=x.device)
+    require_kernel(fn, FAMILY, "reduce_fused", {"hidden": hidden, "num_topk": num_topk},
+                   {"hidden": "hidden (x.shape[1])", "num_topk": "num_topk (token_topk_to_pos.shape[1])",
+                    "num_tokens": "num_tokens", "num_expanded_tokens": "num_expanded_tokens (x.shape[0])"},
+                   {"num_tokens": num_tokens, "num_expanded_tokens": max(1, num_expanded_tokens)})
+    return ops.reduce_fused(x.contiguous(), topk_weights if topk_weights is None else topk_weights.contiguous(),
+                            token_topk_to_pos.contiguous(), fp8_format, sf, x_sf if x_sf is None else x_sf.contiguous(),
+                            out=out)
 
 
 def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_expert: torch.Tensor) -> torch.Tensor:
-    raise missing("moe.expand_to_fused", FAMILY)
+    """x (num_tokens, hidden) copied into the fused layout (num_expanded_tokens, hidden): row t to each
+    position token_topk_to_pos[t, k] >= 0; padding rows (pos_to_expert < 0) zero. Bit-identical to
+    TileKernels (any element type tkjit copies: bfloat16, float16, float32, float8 e4m3/e5m2)."""
+    fn = "moe.expand_to_fused"
+    tensor(fn, "x", x, (2,))
+    tensor(fn, "token_topk_to_pos", token_topk_to_pos, (2,), (torch.int32,))
+    tensor(fn, "pos_to_expert", pos_to_expert, (1,), (torch.int32,))
+    if not x.is_contiguous() or not token_topk_to_pos.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: x and token_topk_to_pos must be contiguous")
+    num_tokens, hidden = x.shape
+    if token_topk_to_pos.shape[0] != num_tokens:
+        raise TensorError(f"tile_kernels.{fn}: token_topk_to_pos has {token_topk_to_pos.shape[0]} rows, x has "
+                          f"{num_tokens} tokens")
+    num_expanded_tokens = pos_to_expert.shape[0]
+    if num_tokens == 0:
+        return torch.zeros((num_expanded_tokens, hidden), dtype=x.dtype, device=x.device)
+    from tkjit.kernel import dtype_name
+
+    require_kernel(fn, FAMILY, "expand_to_fused",
+                   {"hidden": hidden, "num_topk": token_topk_to_pos.shape[1], "dtype": dtype_name(x.dtype)},
+                   {"hidden": "hidden (x.shape[1])", "num_topk": "num_topk (token_topk_to_pos.shape[1])",
+                    "dtype": "x.dtype", "num_tokens": "num_tokens",
+                    "num_expanded_tokens": "num_expanded_tokens (pos_to_expert.shape[0])"},
+                   {"num_tokens": num_tokens, "num_expanded_tokens": max(1, num_expanded_tokens)})
+    return ops.expand_to_fused(x, token_topk_to_pos, pos_to_expert.contiguous())
 
 
 def expand_to_fused_with_sf(
@@ -74,15 +181,76 @@ def expand_to_fused_with_sf(
 
 
 def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -> None:
-    raise missing("moe.inplace_unique_group_indices", FAMILY)
+    """In place: in each row of group_indices (num_tokens, num_topk) int64, every repeat of a group id
+    after its first occurrence becomes -1. Returns None, as TileKernels.
+
+    num_groups <= 128 as TileKernels asserts (tkjit's kernel would take more; the compat layer keeps
+    TileKernels' limit). Ids outside [0, num_groups) are left as they are (TileKernels' kernel leaves
+    negative ones and asserts on larger ones); no memory is touched by them.
+    """
+    fn = "moe.inplace_unique_group_indices"
+    tensor(fn, "group_indices", group_indices, (2,), (torch.int64,))
+    groups = as_int(fn, "num_groups", num_groups)
+    if not 1 <= groups <= 128:
+        raise ShapeError(f"tile_kernels.{fn}: num_groups ({groups}) must be in [1, 128]")
+    num_tokens, num_topk = group_indices.shape
+    if num_tokens == 0:  # as TileKernels: nothing to launch
+        return None
+    if not group_indices.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: group_indices must be contiguous (it is updated in place)")
+    require_kernel(fn, FAMILY, "inplace_unique_group_indices", {"num_topk": num_topk, "num_groups": groups},
+                   {"num_topk": "num_topk (group_indices.shape[1])", "num_groups": "num_groups",
+                    "num_tokens": "num_tokens"}, {"num_tokens": num_tokens})
+    if group_indices.data_ptr() % 16:  # a view the kernel's 16-byte accesses cannot take in place
+        work = group_indices.clone()
+        ops.inplace_unique_group_indices(work, groups)
+        group_indices.copy_(work)
+        return None
+    ops.inplace_unique_group_indices(group_indices, groups)
+    return None
+
+
+def _index_rows(fn: str, name: str, idx: torch.Tensor, ids: int, ids_name: str) -> None:
+    """TileKernels' asserts on an (num_tokens, num_topk) int64 index tensor, and the id count's range."""
+    tensor(fn, name, idx, (2,), (torch.int64,))
+    if not idx.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: {name} must be contiguous, got strides {tuple(idx.stride())}")
+    if ids < 1:
+        raise ShapeError(f"tile_kernels.{fn}: {ids_name} ({ids}) must be >= 1")
 
 
 def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch.Tensor:
-    raise missing("moe.aux_fi", FAMILY)
+    """Per-expert f_i = count * num_experts / (num_tokens * num_aux_topk) for the auxiliary loss.
+
+    topk_idx (num_tokens, num_topk) int64 -> (num_experts,) float32 on its device; entries < 0 are padding
+    (skipped), as are entries >= num_experts. Bit-identical to TileKernels' torch reference evaluated on the
+    CPU (counts summed as integers, one IEEE division per expert); 0 tokens give zeros.
+    """
+    fn = "moe.aux_fi"
+    e = as_int(fn, "num_experts", num_experts)
+    k_aux = as_int(fn, "num_aux_topk", num_aux_topk)
+    _index_rows(fn, "topk_idx", topk_idx, e, "num_experts")
+    num_tokens, num_topk = topk_idx.shape
+    require_kernel(fn, FAMILY, "aux_fi", {"num_topk": num_topk, "num_experts": e},
+                   {"num_topk": "num_topk (topk_idx.shape[1])", "num_experts": "num_experts",
+                    "num_tokens": "num_tokens"}, {"num_tokens": max(1, num_tokens)})
+    return ops.aux_fi(topk_idx, e, k_aux)
 
 
 def group_count(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
-    raise missing("moe.group_count", FAMILY)
+    """How many entries of group_idx (num_tokens, num_topk) int64 equal each group id.
+
+    -> (num_groups,) int32 on group_idx's device; entries < 0 are padding (skipped), as are entries
+    >= num_groups (never a write out of bounds). Exact; 0 tokens give zeros.
+    """
+    fn = "moe.group_count"
+    g = as_int(fn, "num_groups", num_groups)
+    _index_rows(fn, "group_idx", group_idx, g, "num_groups")
+    num_tokens, num_topk = group_idx.shape
+    require_kernel(fn, FAMILY, "group_count", {"num_topk": num_topk, "num_groups": g},
+                   {"num_topk": "num_topk (group_idx.shape[1])", "num_groups": "num_groups",
+                    "num_tokens": "num_tokens"}, {"num_tokens": max(1, num_tokens)})
+    return ops.group_count(group_idx, g)
 
 
 def mask_indices_by_tp(
@@ -92,11 +260,47 @@ def mask_indices_by_tp(
     tp_rank: int,
     num_tp_ranks: int,
 ) -> torch.Tensor:
-    raise missing("moe.mask_indices_by_tp", FAMILY)
+    """Expert indices (num_tokens, num_topk) int32/int64 -> same dtype and shape: -1 for negative indices
+    and experts of other TP ranks, the local expert index otherwise (n // num_ep_ranks experts per GPU,
+    GPU g on TP rank g % num_tp_ranks). One kernel binary serves every rank and expert count.
+
+    TileKernels asserts nothing here; a size that would divide by zero or a tp_rank outside
+    [0, num_tp_ranks) is a ShapeError naming it. n need not be a multiple of num_ep_ranks (TileKernels
+    floors n // num_ep_ranks, and so does tkjit).
+    """
+    fn = "moe.mask_indices_by_tp"
+    tensor(fn, "indices", indices, (2,), (torch.int32, torch.int64))
+    vals = {name: as_int(fn, name, v) for name, v in
+            (("n", n), ("num_ep_ranks", num_ep_ranks), ("tp_rank", tp_rank), ("num_tp_ranks", num_tp_ranks))}
+    try:
+        tp_scalars(fn, **vals)
+    except ShapeError as e:
+        raise ShapeError(f"tile_kernels.{e}") from None
+    num_tokens, num_topk = indices.shape
+    if num_tokens == 0:  # as TileKernels: nothing to launch
+        return torch.empty_like(indices)
+    require_kernel(fn, FAMILY, "mask_indices_by_tp",
+                   {"num_topk": num_topk, "dtype": "int64" if indices.dtype == torch.int64 else "int32"},
+                   {"num_topk": "num_topk (indices.shape[1])", "num_tokens": "num_tokens"}, {"num_tokens": num_tokens})
+    return ops.mask_indices_by_tp(indices.contiguous(), vals["n"], vals["num_ep_ranks"], vals["tp_rank"],
+                                  vals["num_tp_ranks"])
 
 
 def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    raise missing("moe.normalize_weight", FAMILY)
+    """(denominator (num_tokens,), normalized (num_tokens, num_topk)), both float32, bit-identical to
+    TileKernels: the row's weights added in order to 1e-20 in float32, then an IEEE division."""
+    fn = "moe.normalize_weight"
+    tensor(fn, "topk_weights", topk_weights, (2,), (torch.float32,))
+    if not topk_weights.is_contiguous():  # TileKernels asserts it
+        raise TensorError(f"tile_kernels.{fn}: topk_weights must be contiguous")
+    num_tokens, num_topk = topk_weights.shape
+    if num_tokens == 0:  # as TileKernels: nothing to launch
+        return (torch.empty((0,), dtype=torch.float32, device=topk_weights.device),
+                torch.empty((0, num_topk), dtype=torch.float32, device=topk_weights.device))
+    require_kernel(fn, FAMILY, "normalize_weight", {"num_topk": num_topk},
+                   {"num_topk": "num_topk (topk_weights.shape[1])", "num_tokens": "num_tokens"},
+                   {"num_tokens": num_tokens})
+    return ops.normalize_weight(rows_aligned(topk_weights))
 
 
 def top2_sum_gate(
@@ -123,4 +327,34 @@ def top2_sum_gate(
 
 
 def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
-    raise missing("moe.topk_sum_and_topk_group_idx", FAMILY)
+    """The num_topk_groups groups with the largest sums of their num_topk_sum (1 or 2) best scores.
+
+    scores (num_tokens, num_groups, num_experts_per_group) float32, contiguous -> (num_tokens,
+    num_topk_groups) int64 group indices, best first, equal sums to the smaller index; bit-identical to
+    TileKernels. num_groups <= 32. NaN scores are not supported.
+    """
+    fn = "moe.topk_sum_and_topk_group_idx"
+    tensor(fn, "scores", scores, (3,), (torch.float32,))
+    if not scores.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: scores must be contiguous, got strides {tuple(scores.stride())}")
+    num_tokens, num_groups, per_group = scores.shape
+    ks = as_int(fn, "num_topk_sum", num_topk_sum)
+    kg = as_int(fn, "num_topk_groups", num_topk_groups)
+    if ks not in (1, 2) or ks > per_group:
+        raise ShapeError(f"tile_kernels.{fn}: num_topk_sum ({ks}) must be 1 or 2 and <= num_experts_per_group "
+                         f"(scores.shape[2] = {per_group})")
+    if not 1 <= kg <= num_groups:
+        raise ShapeError(f"tile_kernels.{fn}: num_topk_groups ({kg}) must be in [1, num_groups "
+                         f"(scores.shape[1] = {num_groups})]")
+    if num_groups > 32:
+        raise ShapeError(f"tile_kernels.{fn}: num_groups (scores.shape[1] = {num_groups}) must be <= 32")
+    if num_tokens == 0:  # as TileKernels: nothing to launch
+        return torch.empty((0, kg), dtype=torch.int64, device=scores.device)
+    require_kernel(fn, FAMILY, "topk_sum_and_topk_group_idx",
+                   {"num_groups": num_groups, "num_experts_per_group": per_group, "num_topk_sum": ks,
+                    "num_topk_groups": kg},
+                   {"num_groups": "num_groups (scores.shape[1])",
+                    "num_experts_per_group": "num_experts_per_group (scores.shape[2])",
+                    "num_topk_sum": "num_topk_sum", "num_topk_groups": "num_topk_groups",
+                    "num_tokens": "num_tokens"}, {"num_tokens": num_tokens})
+    return ops.topk_sum_and_topk_group_idx(scores, ks, kg)
