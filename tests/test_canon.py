@@ -55,5 +55,8 @@ def test_config_ids_and_study_names_are_canonical_json():
     assert config_id(cfg) == '{"block_tokens":64,"threads":128}' == canonical_json(cfg)
     assert json.loads(config_id(cfg)) == cfg
     spec = types.SimpleNamespace(name="k", source_hash="h")
-    assert study_name(spec, {"n": 4}, {"num_tokens": 1024}, "sm_90a", "NVIDIA H200") == (
-        'k@h|{"bucket":{"num_tokens":1024},"static":{"n":4}}|sm_90a|NVIDIA H200')
+    name = study_name(spec, {"n": 4}, {"num_tokens": 1024}, "sm_90a", "NVIDIA H200", {"tilelang": "0.1"})
+    assert name.startswith("k n=4 num_tokens~1024 on sm_90a (NVIDIA H200) #")  # short, readable
+    # ... and a hash of the whole identity keeps studies apart (another version, another study).
+    assert name == study_name(spec, {"n": 4}, {"num_tokens": 1024}, "sm_90a", "NVIDIA H200", {"tilelang": "0.1"})
+    assert name != study_name(spec, {"n": 4}, {"num_tokens": 1024}, "sm_90a", "NVIDIA H200", {"tilelang": "0.2"})

@@ -131,8 +131,11 @@ def test_space_encoding_roundtrip(spec):
     s = Space(spec, {"num_tokens": 4096}, "sm_90a")
     for c in s.allowed:
         params = s.to_params(c)
-        assert isinstance(params["block"], int) and params["block"] < 4  # ordinal index
+        assert isinstance(params["block_index"], int) and params["block_index"] < 4  # TPE: an ordinal index
         assert params["unroll"] in (False, True)
+    s.ordinal = False  # an exhaustive study: the real values
+    for c in s.allowed:
+        assert s.to_params(c) == c
     s2 = Space(spec, {"num_tokens": 4096}, "sm_90a", max_configs=3)
     assert len(s2) == 3 and s2.is_allowed(DEFAULT)
 

@@ -653,7 +653,266 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("-o", "--out", required=True, metavar="PNG")
     q.add_argument("--title", default=None)
     q.set_defaults(fn=cmd_plot_study)
+    _add_tune(sub)
+    _add_db(sub)
     return ap
+
+
+# ----------------------------------------------------------------------------------------------
+# tkjit tune
+# ----------------------------------------------------------------------------------------------
+_STORAGE_HELP = ("journal:PATH, sqlite:///PATH or postgresql://USER@HOST/DB (psycopg: pip install "
+                 "'tkjit[distributed]'); default: the cache's journal")
+
+
+def _positive_int(text: str) -> int:
+    return _jobs_arg(text)
+
+
+def _add_tune(sub: Any) -> None:
+    p = sub.add_parser(
+        "tune", help="tune a kernel's shape, or a manifest; several workers may share one storage",
+        description="Tune one kernel at a shape (NAME --shape K=V ...) or every study of a manifest (--manifest). "
+        "Trials are stored as they finish, so a killed run resumes; workers given one --storage (on many "
+        "GPUs and hosts) share each study. Writes the winners into the user's tuned DB.")
+    p.add_argument("name", nargs="?", metavar="NAME")
+    add_shape_arg(p)
+    p.add_argument("--manifest", default=None, metavar="FILE", help="a TOML manifest of studies (tools/manifest.toml)")
+    p.add_argument("--kernels", default=None, metavar="A,B", help="with --manifest: only these kernels")
+    p.add_argument("--arch", type=_arch_arg, default=None, help="default: the GPU's; cpu: TileLang's C target")
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--trials", type=_positive_int, default=None, metavar="N",
+                   help="distinct configs to measure per study (default: all of a space up to 64, else TPE)")
+    n.add_argument("--max-configs", type=_positive_int, default=None, metavar="N",
+                   help="tune an evenly spread slice of N configs of each space (CI, smoke runs)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="seconds per study")
+    p.add_argument("--storage", default=None, metavar="URL", help=_STORAGE_HELP)
+    p.add_argument("--study-prefix", default="", metavar="P",
+                   help="before each study's name: only workers with the same prefix share studies")
+    p.add_argument("--heartbeat", type=_positive_int, default=None, metavar="S",
+                   help="RDB storages: heartbeat seconds; a dead worker's trials are retried after 3x "
+                   "(default 10)")
+    p.add_argument("-j", "--jobs", type=_jobs_arg, default=None, help="parallel compile processes (default: cores)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds before a benchmark counts as hung")
+    p.add_argument("--bench-budget", type=float, default=None, metavar="S", help="timing seconds per candidate")
+    d = p.add_mutually_exclusive_group()
+    d.add_argument("--device", type=int, default=None, metavar="N", help="the GPU to measure on (of the visible ones)")
+    d.add_argument("--devices", choices=["all"], default=None,
+                   help="one worker process per visible GPU, sharing the studies")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the trials already stored (default on)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exhaustive-max", type=int, default=64, metavar="N", help="enumerate spaces up to N configs")
+    p.add_argument("--update-shipped", action="store_true",
+                   help="also write the shipped DB (tkjit/tuning_db_data, or TKJIT_TUNING_DB)")
+    p.add_argument("--no-user-db", action="store_true", help="do not write the user's tuned DB")
+    p.add_argument("--json", action="store_true", help="the results as JSON on stdout (the table goes to stderr)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    # Test hooks: a deterministic timer, extra specs imported in every process.
+    p.add_argument("--timer", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--import", dest="imports", action="append", default=[], help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_tune)
+
+
+def _studies_of(args) -> list[dict[str, Any]]:
+    from tkjit.tuning.pretune import load_manifest
+
+    if args.manifest:
+        if args.name or args.shape:
+            raise UsageError("tune: give NAME --shape K=V ... or --manifest FILE, not both")
+        studies = load_manifest(args.manifest)
+        if args.kernels:
+            wanted = set(args.kernels.split(","))
+            for k in wanted:
+                known_kernel(k)
+            studies = [s for s in studies if s["kernel"] in wanted]
+        return studies
+    if not args.name:
+        raise UsageError("tune: missing the kernel NAME: `tkjit tune NAME --shape K=V ...` (or --manifest FILE)")
+    if args.kernels:
+        raise UsageError("tune: --kernels filters a --manifest")
+    import importlib
+
+    for m in args.imports:  # a test's extra specs: registered before the NAME is looked up
+        importlib.import_module(m)
+    spec = known_kernel(args.name)
+    return [{"kernel": spec.name, "shape": _shape_of(spec, args.shape)}]
+
+
+def cmd_tune(args) -> int:
+    from tkjit import envs
+    from tkjit.tuning.pretune import PretuneOptions, footer, run_studies, select_device, summary_table
+
+    studies = _studies_of(args)
+    if envs.flag(envs.DISABLE_JIT):
+        raise TkjitError(f"{envs.DISABLE_JIT.name}=1 forbids compiling: unset it to tune")
+    if args.devices:
+        return _tune_on_every_device(args)
+    if args.device is not None:
+        select_device(args.device)
+    report = run_studies(studies, PretuneOptions(
+        arch=args.arch, trials=args.trials, time_budget=args.time_budget, jobs=args.jobs, storage=args.storage,
+        heartbeat_s=args.heartbeat, study_prefix=args.study_prefix, resume=args.resume,
+        max_configs=args.max_configs, exhaustive_max=args.exhaustive_max, timeout_s=args.timeout,
+        bench_budget_s=args.bench_budget, seed=args.seed, imports=args.imports, timer=args.timer,
+        progress=not args.quiet and sys.stderr.isatty(), user_db=not args.no_user_db,
+        update_shipped=args.update_shipped))
+    table = summary_table(report.rows) + "\n" + footer(report)
+    if args.json:
+        print(table, file=sys.stderr)
+        print(json.dumps(report.to_json(), indent=1, sort_keys=True, default=str))
+    else:
+        print(table)
+    return 0 if report.status == 0 else 1
+
+
+def _without_devices(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--devices":
+            skip = True
+        elif not a.startswith("--devices="):
+            out.append(a)
+    return out
+
+
+def _tune_on_every_device(args) -> int:
+    """`--devices all`: one `tkjit tune --device I` worker per visible GPU, all on the same storage;
+    each takes its share of the compile cores. The status is the worst of theirs."""
+    import subprocess
+
+    from tkjit.tuning.pretune import visible_devices
+
+    devices = visible_devices()
+    if not devices:
+        raise TkjitError("--devices all: no CUDA GPU is visible")
+    if args.arch == "cpu":
+        raise UsageError("--devices all runs one worker per GPU: the C target (--arch cpu) has none")
+    base = _without_devices(args.argv)
+    jobs = [] if args.jobs else ["--jobs", str(max(1, (os.cpu_count() or 1) // len(devices)))]
+    procs = [subprocess.Popen([sys.executable, "-m", "tkjit.cli", *base, *jobs, "--device", str(i), "--quiet"],
+                              stdout=subprocess.PIPE if args.json else None, text=True)
+             for i in range(len(devices))]
+    print(f"tune: {len(procs)} workers, one per GPU ({', '.join(devices)})", file=sys.stderr)
+    outs = [p.communicate()[0] for p in procs]
+    if args.json:
+        docs = []
+        for i, o in enumerate(outs):
+            try:
+                docs.append({"device": i, **json.loads(o)})
+            except (TypeError, ValueError):
+                docs.append({"device": i, "error": f"exit status {procs[i].returncode}"})
+        print(json.dumps({"workers": docs}, indent=1, sort_keys=True, default=str))
+    return max(p.returncode for p in procs)
+
+
+# ----------------------------------------------------------------------------------------------
+# tkjit db
+# ----------------------------------------------------------------------------------------------
+def _add_db(sub: Any) -> None:
+    p = sub.add_parser("db", help="tuned DBs: export winners from a storage, merge winner files, show what serves")
+    what = p.add_subparsers(dest="what", required=True, metavar="ACTION")
+    q = what.add_parser("export", help="the winners of a study storage as JSON on stdout")
+    q.add_argument("name", nargs="?", metavar="NAME", help="only this kernel's studies")
+    q.add_argument("--storage", default=None, metavar="URL", help=_STORAGE_HELP)
+    q.set_defaults(fn=cmd_db_export)
+    q = what.add_parser("merge", help="merge winner files into <DIR>/<arch>/<GPU>.json")
+    q.add_argument("files", nargs="+", metavar="FILE", help="`tkjit db export` output or DB files")
+    q.add_argument("--into", default=None, metavar="DIR",
+                   help="default: the user's DB in the cache (what tkjit.get serves first on this host); "
+                   "tkjit/tuning_db_data for the shipped one")
+    q.add_argument("--allow-other-versions", action="store_true",
+                   help="take entries tuned with another tkjit, TileLang or spec source")
+    q.add_argument("--dry-run", action="store_true", help="print what would change, write nothing")
+    q.set_defaults(fn=cmd_db_merge)
+    q = what.add_parser("show", help="the tuned entries, or what tkjit.get serves at a shape and where from")
+    q.add_argument("name", nargs="?", metavar="NAME")
+    add_shape_arg(q, help="the shape to serve (with NAME)")
+    q.add_argument("--arch", type=_arch_arg, default=None, help="default: TKJIT_ARCH, the GPU")
+    q.set_defaults(fn=cmd_db_show)
+
+
+def cmd_db_export(args) -> int:
+    from tkjit.tuning.winners import dumps, export_winners
+
+    if args.name:
+        known_kernel(args.name)
+    if args.storage is None:
+        from tkjit.build import cache
+
+        path = cache().base / "tuned" / "journal.log"
+        if not path.exists():
+            raise TkjitError(f"no tuning journal at {path}: nothing tuned with this cache (pass --storage)")
+        args.storage = f"journal:{path}"
+    doc, notes = export_winners(args.storage, args.name)
+    for note in notes:
+        print(f"tkjit db export: {note}", file=sys.stderr)
+    sys.stdout.write(dumps(doc))
+    n = len(doc["entries"])
+    print(f"tkjit db export: {n} {'winner' if n == 1 else 'winners'}", file=sys.stderr)
+    return 0
+
+
+def cmd_db_merge(args) -> int:
+    from tkjit.tuning.winners import merge_winners
+    from tkjit.tuning_db import user_db_dir
+
+    into = Path(args.into) if args.into else user_db_dir()
+    changes = merge_winners(args.files, into, allow_other_versions=args.allow_other_versions, dry_run=args.dry_run)
+    for c in changes:
+        print(c.line())
+    counts: dict[str, int] = {}
+    for c in changes:
+        counts[c.action] = counts.get(c.action, 0) + 1
+    summary = ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) or "no entries"
+    print(f"{'would merge' if args.dry_run else 'merged'} into {into}: {summary}")
+    return 0
+
+
+def cmd_db_show(args) -> int:
+    from tkjit.tuning_db import choose_config, find_tuned
+
+    arch = _served_arch(args.arch)
+    if arch is None:
+        raise UsageError("db show: no GPU here: pass --arch (e.g. --arch sm_90a)")
+    if args.shape and not args.name:
+        raise UsageError("db show: --shape needs the kernel NAME")
+    if args.name and args.shape:
+        spec = known_kernel(args.name)
+        full = _shape_of(spec, args.shape)
+        cfg, source = choose_config(spec, full, arch, None)
+        found = find_tuned(spec, full, arch)
+        print(f"{spec.name} at {_compact(full)} for {arch}: {_compact(cfg)}  ({source})")
+        if found is not None and source.startswith("tuned"):
+            e = found.entry
+            print(f"  from {found.path}")
+            print(f"  tuned {e.get('date')} on {e.get('gpu')}: {e.get('tuned_us')} us vs default {e.get('default_us')}"
+                  f" us, speedup {e.get('speedup')}, spread {e.get('spread')}, {e.get('trials', '?')} trials, "
+                  f"versions {_compact(e.get('versions', {}))}")
+        default = spec.default_config(full, arch)
+        if default != cfg:
+            print(f"  heuristic default: {_compact(default)}")
+        return 0
+    return _db_list(args.name and known_kernel(args.name).name, arch)
+
+
+def _db_list(kernel: str | None, arch: str) -> int:
+    from tkjit.tuning_db import shipped_db_dir, tuned_entries, user_db_dir
+
+    rows = []
+    for label, path, e in tuned_entries(arch):
+        if kernel and e["kernel"] != kernel:
+            continue
+        rows.append([e["kernel"], _compact(e["shape"]), ",".join(f"{k}~{v}" for k, v in e["bucket"].items()),
+                     _compact(e["config"]), str(e.get("speedup")), str(e.get("trials", "-")), f"{label}:{path.stem}"])
+    if not rows:
+        print(f"no tuned entries for {kernel or 'any kernel'} on {arch} (user DB {user_db_dir()}, shipped "
+              f"{shipped_db_dir()})")
+        return 0
+    print(_table(rows, ["kernel", "shape", "bucket", "config", "speedup", "trials", "db"]))
+    return 0
 
 
 def cmd_plot_bench(args) -> int:
@@ -731,6 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _setup_logging()
         args = _parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # `tune --devices all` re-runs it per GPU
         status = args.fn(args)
         sys.stdout.flush()  # a closed pipe raises here, inside the handlers, not at exit
         return status

@@ -205,8 +205,12 @@ def open_journal(storage: str | None = None):
     return open_storage(storage)
 
 
-def _parts(name: str) -> tuple[str, dict, str, str] | None:
-    """(kernel, {"static":..., "bucket":...}, arch, gpu) of a tuner study name; None for another name."""
+def _parts(name: str, attrs: Mapping[str, Any] | None = None) -> tuple[str, dict, str, str] | None:
+    """(kernel, {"static":..., "bucket":...}, arch, gpu) of a tuner study: from its `identity` user
+    attribute, or parsed from an older study's name (the identity itself); None for another study."""
+    ident = (attrs or {}).get("identity")
+    if isinstance(ident, dict) and all(k in ident for k in ("kernel", "static", "bucket", "arch", "gpu")):
+        return ident["kernel"], {"static": ident["static"], "bucket": ident["bucket"]}, ident["arch"], ident["gpu"]
     head, sep, rest = name.partition("|")
     body, _, tail = rest.rpartition("|")
     body, _, arch = body.rpartition("|")
@@ -223,6 +227,8 @@ def _parts(name: str) -> tuple[str, dict, str, str] | None:
 
 def study_title(name: str) -> str:
     """`sinkhorn_fwd n=4 num_tokens~1024 on cpu (gpu)` from a tuner study name."""
+    if "|" not in name and " #" in name:
+        return name.rpartition(" #")[0]  # today's names are the title and a hash of the identity
     p = _parts(name)
     if p is None:
         return name
@@ -251,10 +257,12 @@ def pick_study(storage: Any, *, kernel: str | None = None, shape: Mapping[str, A
     another GPU) resolve to the most recently updated; several different studies are an error listing them."""
     import optuna
 
-    names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    names = [s.study_name for s in summaries]
+    parts = {s.study_name: _parts(s.study_name, s.user_attrs) for s in summaries}
     found = []
     for n in names:
-        p = _parts(n)
+        p = parts[n]
         if p is None:
             continue
         if kernel and p[0] != kernel or arch and p[2] != arch:
@@ -267,7 +275,7 @@ def pick_study(storage: Any, *, kernel: str | None = None, shape: Mapping[str, A
     if not found:
         there = "; ".join(study_title(n) for n in names[:10]) or "none"
         raise TkjitError(f"no tuning study matches {want}; studies there: {there}")
-    keys = {(p[0], json.dumps(p[1], sort_keys=True), p[2]) for p in map(_parts, found) if p}
+    keys = {(p[0], json.dumps(p[1], sort_keys=True), p[2]) for p in (parts[n] for n in found) if p}
     if len(keys) > 1:
         listed = "; ".join(sorted({study_title(n) for n in found})[:10])
         raise TkjitError(f"{len(found)} tuning studies match {want}: {listed}; name the kernel and give --shape "

@@ -393,6 +393,33 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     A DB file that cannot be used is skipped with one warning (see the module doc): serving never fails
     because of one.
     """
+    found = find_tuned(spec, shape, arch)
+    return None if found is None else (dict(found.entry["config"]), found.source)
+
+
+@dataclass
+class Found:
+    """A tuned entry `lookup` serves: the entry, its source label and the file it is in."""
+
+    entry: dict[str, Any]
+    source: str  # tuned:user, tuned:shipped, tuned:nearest(user, num_tokens=65536)
+    path: Path
+
+
+def tuned_entries(arch: str) -> list[tuple[str, Path, dict[str, Any]]]:
+    """(source, file, entry) of every entry `lookup` may serve for arch on this host, user's first
+    (`tkjit db show`); files that cannot serve are warned about and skipped, as in lookup."""
+    out = []
+    model = _current_model(arch)
+    for label, root in (("user", user_db_dir()), ("shipped", shipped_db_dir())):
+        for path in db_files(root, arch, model):
+            db = _serving_db(path)
+            out += [(label, path, e) for e in (db.doc["entries"] if db else ())]
+    return out
+
+
+def find_tuned(spec: KernelSpec, shape: dict[str, Any], arch: str) -> Found | None:
+    """The entry `lookup` serves for this full shape, with where it comes from (`tkjit db show`)."""
     if envs.flag(envs.NO_TUNED_DB):
         return None
     model = _current_model(arch)
@@ -400,7 +427,7 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     bucket = spec.bucket(shape)
     bucket_key = canonical_json(bucket)
     sources = (("user", user_db_dir()), ("shipped", shipped_db_dir()))
-    candidates: list[tuple[float, int, int, str, dict]] = []
+    candidates: list[tuple[float, int, int, str, dict, Path]] = []
     for rank, (label, root) in enumerate(sources):
         paths = db_files(root, arch, model)
         if not paths and label == "shipped":
@@ -411,16 +438,16 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
                 continue
             for b, e in db.index.get((spec.name, static_key), ()):
                 if canonical_json(b) == bucket_key:
-                    return dict(e["config"]), f"tuned:{label}"
+                    return Found(e, f"tuned:{label}", path)
                 dist = _distance(b, bucket)
                 if dist is not None:
-                    candidates.append((dist, rank, -sum(b.values()), label, e))
+                    candidates.append((dist, rank, -sum(b.values()), label, e, path))
     if not candidates:
         return None
     candidates.sort(key=lambda c: c[:3])
-    _, _, _, label, e = candidates[0]
+    _, _, _, label, e, path = candidates[0]
     where = ", ".join(f"{k}={v}" for k, v in sorted(e["bucket"].items()))
-    return dict(e["config"]), f"tuned:nearest({label}, {where})"
+    return Found(e, f"tuned:nearest({label}, {where})", path)
 
 
 # ----------------------------------------------------------------------------------------------
