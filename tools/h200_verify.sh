@@ -9,6 +9,8 @@
 #                                  # expert count) files in full, every-config tests included
 #   tools/h200_verify.sh runtime   # the C-ABI launch path (ffi, abi, sinkhorn, torch ops), partial cast
 #                                  # groups, odd expert counts, host cost and cold start
+#   tools/h200_verify.sh catalog   # new kernels ($KERNELS, comma-separated): their GPU test files, then
+#                                  # (TUNE=1) a pretune into the shipped DB and the benchmark table
 #   tools/h200_verify.sh strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #                                  # short, host cost, and the transpose / per_token_cast benchmark
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -98,6 +100,22 @@ widened)
   echo "rc=$?" >> "$OUT/pytest_topk_gate.txt"
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
   grep -E "us|ratio" "$OUT/pytest_topk_gate.txt" | grep -v "^tests" | head -30
+  ;;
+catalog)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  for k in ${KERNELS//,/ }; do
+    f=tests/gpu/test_gpu_$k.py; [ -f "$f" ] || continue
+    timeout "${TEST_TIMEOUT:-90}" $PYTEST $f > "$OUT/pytest_$k.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_$k.txt"
+  done
+  if [ "${TUNE:-0}" = 1 ]; then
+    timeout "${TUNE_TIMEOUT:-240}" python tools/pretune.py --kernels "$KERNELS" --update-shipped \
+      --time-budget "${TUNE_BUDGET:-12}" --json "$OUT/pretune.json" > "$OUT/pretune.txt" 2>&1
+    echo "rc=$?" >> "$OUT/pretune.txt"; cp tkjit/tuning_db_data/sm_90a/NVIDIA_H200.json "$OUT/" 2>/dev/null
+    timeout "${BENCH_TIMEOUT:-200}" python tools/bench.py --kernels ${KERNELS//,/ } --json "$OUT/bench.json" \
+      > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
+  fi
+  for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
+  [ -f "$OUT/pretune.txt" ] && tail -n 30 "$OUT/pretune.txt"; [ -f "$OUT/bench.txt" ] && tail -n 40 "$OUT/bench.txt"
   ;;
 final)  # what the two stages above left: the fixed autograd test, the rest of the files, launch floor
   timeout 60 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k autograd > "$OUT/pytest_final.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_final.txt"
