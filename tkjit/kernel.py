@@ -50,6 +50,17 @@ def dtype_name(dtype) -> str:
 _SCALAR_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 
 
+def _scalar_check(s: ScalarArg) -> Callable[[Any], bool]:
+    """A plan's quick test of a scalar: exactly its type (and in range); anything else takes the full
+    checks, which convert or name the problem (`_scalar`)."""
+    if s.type is bool:
+        return lambda v: type(v) is bool
+    if s.type is int:
+        lo, hi = _SCALAR_RANGE[s.c_dtype]
+        return lambda v: type(v) is int and lo <= v <= hi
+    return lambda v: type(v) is float
+
+
 def _scalar(kernel: str, s: ScalarArg, v: Any):
     """A scalar argument as the kernel takes it, or a TensorError naming it."""
     import operator
@@ -171,6 +182,10 @@ class CompiledKernel:
         self._inouts = [i for i, a in enumerate(self._in) if a.inout]
         self._simple = not (self._scalars or self._caller_sized or self._inouts
                             or any(a.zeroed for a in self._out) or any(not a.present for a in self._in))
+        # Calls a plan can serve: every input present, no caller-sized output, nothing in place (scalars
+        # and zeroed outputs are fine: a plan checks the one and zero-fills the other).
+        self._plannable = not (self._caller_sized or self._inouts or any(not a.present for a in self._in))
+        self._n_in = len(self._in)
 
     @property
     def name(self) -> str:
@@ -189,8 +204,9 @@ class CompiledKernel:
                 if len(args) == 1:
                     t = args[0]
                     plan = self._plans.get((t.shape, t.stride(), t.dtype, t.device))
-                else:
-                    plan = self._plans.get(tuple([(t.shape, t.stride(), t.dtype, t.device) for t in args]))
+                else:  # the tensors' signature; a plan checks the scalars after them
+                    plan = self._plans.get(tuple([(t.shape, t.stride(), t.dtype, t.device)
+                                                  for t in args[:self._n_in]]))
             except Exception:  # not tensors, or unhashable: the full checks below name the problem
                 plan = None
             if plan is not None:
@@ -271,16 +287,17 @@ class CompiledKernel:
                 raise LaunchError(f"{self.name}: launch failed: {type(e).__name__}: {e}") from e
         if self._inouts:
             outs = [inputs[i] for i in self._inouts] + outs
-        elif out is None and self._simple and not kw:
-            self._plan(inputs, outs, device, launched)
+        elif out is None and self._plannable and not kw:
+            self._plan(tuple(inputs), outs, device, launched)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _plan(self, inputs: tuple, outs: list, device, launched: bool) -> None:
-        """Remember what a checked plain call (plain tensors, no out=, no scalars) fixed for its signature:
-        the outputs' shapes and dtypes and the launcher bound to these shapes and strides. What the
-        signature does not fix is checked again by the plan at each call: that every input is a plain
-        torch.Tensor, and that its data pointer is aligned as the kernel reads it (a plan refuses to
-        serve otherwise, and the full checks run)."""
+        """Remember what a checked plain call (plain tensors then the scalars, positionally; no out=) fixed
+        for its signature: the outputs' shapes and dtypes and the launcher bound to these shapes and
+        strides. What the signature does not fix is checked again by the plan at each call: that every
+        input is a plain torch.Tensor, that its data pointer is aligned as the kernel reads it, and that
+        each scalar is exactly of its type and in range (a plan refuses to serve otherwise, and the full
+        checks run and name the problem)."""
         import torch
 
         tensor = torch.Tensor
@@ -289,7 +306,7 @@ class CompiledKernel:
         bind = getattr(self._launch, "bind", None)
         if launched and bind is None:  # a plain function as launcher (tests): every call is checked
             return
-        if len(inputs) == 1:  # the key __call__ looks up
+        if len(inputs) == 1 and not self._scalars:  # the key __call__ looks up (one argument: bare)
             t = inputs[0]
             sig = (t.shape, t.stride(), t.dtype, t.device)
         else:
@@ -299,7 +316,35 @@ class CompiledKernel:
         specs = tuple((tuple(o.shape), o.dtype) for o in outs)
         empty, name = torch.empty, self.name
 
-        if len(inputs) == 1 and len(specs) == 1:  # the common form, without the loops
+        n_in, n_args = len(inputs), len(inputs) + len(self._scalars)
+        zeroed = any(a.zeroed for a in self._out)
+        if self._scalars or zeroed:  # the general form: scalars, zero-filled outputs
+            scalar_ok = tuple(_scalar_check(s) for s in self._scalars)
+            fills = tuple(torch.zeros if a.zeroed else empty for a in self._out)
+
+            def plan(args: tuple):
+                if len(args) != n_args:
+                    return None
+                tensors, scalars = args[:n_in], args[n_in:]
+                for t in tensors:
+                    if type(t) is not tensor:
+                        return None
+                for i, align in aligned:
+                    if tensors[i].data_ptr() % align:
+                        return None
+                for ok, v in zip(scalar_ok, scalars):
+                    if not ok(v):
+                        return None
+                got = [fill(shape, dtype=dtype, device=device) for fill, (shape, dtype) in zip(fills, specs)]
+                if go is not None:
+                    try:
+                        go(tensors, got, scalars)
+                    except LaunchError:
+                        raise
+                    except Exception as e:
+                        raise LaunchError(f"{name}: launch failed: {type(e).__name__}: {e}") from e
+                return got[0] if len(got) == 1 else tuple(got)
+        elif len(inputs) == 1 and len(specs) == 1:  # the common form, without the loops
             (shape, dtype), = specs
             align = aligned[0][1] if aligned else 1
 
@@ -318,6 +363,8 @@ class CompiledKernel:
                 return y
         else:
             def plan(args: tuple):
+                if len(args) != n_in:
+                    return None
                 for t in args:
                     if type(t) is not tensor:
                         return None
