@@ -18,7 +18,7 @@ from tkjit import envs
 from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed
 from tkjit.errors import CacheError, JitDisabledError
 from tkjit.fs import private_tempdir
-from tkjit.key import key_material, key_of
+from tkjit.key import key_material, key_of, lacks_compiler
 from tkjit.spec import KernelSpec
 
 log = logging.getLogger("tkjit.build")
@@ -26,6 +26,7 @@ log = logging.getLogger("tkjit.build")
 _cache: Cache | None = None
 _warned_readonly = False
 _seen_keys: set[str] = set()  # keys this process has served (a disk hit is logged on the first only)
+_pinned: dict[str, dict[str, str]] = {}  # arch -> the cache's pinned toolchain (compiler-less hosts)
 _printed: set[tuple] = set()  # (kernel, static shape, arch) whose config TKJIT_PRINT_CONFIGS printed
 _seen_lock = threading.Lock()
 
@@ -42,11 +43,40 @@ def reset_cache() -> None:
     """Forget the cache handle (after changing TKJIT_CACHE_DIR)."""
     global _cache
     _cache = None
+    _pinned.clear()
 
 
 def entry_key(spec: KernelSpec, static: dict, cfg: dict, arch: str) -> tuple[str, dict]:
-    material = key_material(spec.name, spec.source_hash, static, cfg, spec.pass_configs(cfg), arch)
+    material = key_material(spec.name, spec.source_hash, static, cfg, spec.pass_configs(cfg), arch,
+                            pinned=_pinned_toolchain(arch))
     return key_of(material), material
+
+
+def _pinned_toolchain(arch: str) -> dict[str, str] | None:
+    """The cache's pinned compiler versions for arch, read once per process, and only on a host that
+    lacks the compiler (see key.toolchain)."""
+    if not lacks_compiler(arch):
+        return None
+    if arch not in _pinned:
+        _pinned[arch] = cache().pinned_toolchain(arch)
+    return _pinned[arch]
+
+
+def variant_meta(spec: KernelSpec, static: dict, cfg: dict, arch: str, source: str) -> tuple[str, dict, dict]:
+    """(key, meta, key material) of a variant: the meta its entry is published with, whose KEY_FIELDS
+    a lookup expects (`tkjit bundle export` looks variants up without building them)."""
+    key, material = entry_key(spec, static, cfg, arch)
+    meta = {
+        "kernel": spec.name,
+        "family": spec.family,
+        "shape": static,
+        "config": cfg,
+        "arch": arch,
+        "config_source": source,
+        "toolchain": material["toolchain"],
+        "spec_source": spec.source_hash,
+    }
+    return key, meta, material
 
 
 def _compact(d: dict) -> str:
@@ -78,20 +108,10 @@ def ensure_entry(
     report: if given, report["built"] is set to whether this call compiled the variant.
     TKJIT_DISABLE_JIT=1: a miss raises JitDisabledError instead of compiling.
     """
-    key, material = entry_key(spec, static, cfg, arch)
+    key, meta, material = variant_meta(spec, static, cfg, arch, source)
     built: list[float] = []
     if report is not None:
         report["built"] = False
-    meta = {
-        "kernel": spec.name,
-        "family": spec.family,
-        "shape": static,
-        "config": cfg,
-        "arch": arch,
-        "config_source": source,
-        "toolchain": material["toolchain"],
-        "spec_source": spec.source_hash,
-    }
     expect = {k: meta[k] for k in KEY_FIELDS}
     build_error: list[BaseException] = []
 

@@ -25,6 +25,7 @@ Layout of `Cache` under the root (one version dir, so a new layout never reads a
     v1/locks/<key>.lock      per-key build lock (flock: released by the kernel when a process dies)
     v1/quarantine/           entries that failed verification, kept for inspection (newest few)
     v1/tuned/                the user's tuning DB and Optuna journals
+    v1/toolchain-<arch>.json the compiler versions `tkjit bundle import` pinned for arch (key.toolchain)
 
 The cache holds shared libraries that get dlopen'ed, so it is treated like ~/.ssh: every dir and
 file must belong to this user and not be writable by group or others (missing parents of the
@@ -80,12 +81,14 @@ from tkjit.fs import (
     read_private,
     sha256_file,
 )
+from tkjit.key import PINNABLE
 from tkjit.locks import acquire, file_lock, is_locked, open_lock_file, release, try_lock
 from tkjit.sizes import parse_size
 
 LAYOUT = "v1"
 MANIFEST = "manifest.json"
 _KEY_RE = re.compile(r"^[0-9a-f]{40}$")
+_ARCH_NAME = re.compile(r"[a-z0-9_]{1,32}")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _MAX_MANIFEST = 1 << 20
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -149,6 +152,27 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def valid_key(key: Any) -> bool:
+    """A cache key: 40 lowercase hex digits (nothing else ever becomes an entry's path)."""
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
+
+
+def check_file_record(name: Any, info: Any) -> None:
+    """One record of a manifest's `files` (or a bundle index's): a simple file name, {size, sha256}.
+
+    CorruptEntry if not; the name is then safe as one path component.
+    """
+    if not isinstance(name, str) or not _FILE_RE.fullmatch(name):
+        raise CorruptEntry(f"manifest names a bad file {str(name)[:80]!r}")  # (values are shown cut short)
+    if not isinstance(info, dict):
+        raise CorruptEntry(f"manifest entry for {name} is not an object")
+    size, sha = info.get("size"), info.get("sha256")
+    if not (_is_int(size) and 0 <= size < _MAX_SIZE):
+        raise CorruptEntry(f"manifest gives {name} a bad size ({type(size).__name__} {str(size)[:20]})")
+    if not (isinstance(sha, str) and _SHA_RE.fullmatch(sha)):
+        raise CorruptEntry(f"manifest gives {name} a bad sha256 ({type(sha).__name__} {str(sha)[:70]!r})")
+
+
 def check_manifest(manifest: Any, key: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """The (files, meta) of a manifest whose structure and types are sound; CorruptEntry if not.
 
@@ -161,15 +185,9 @@ def check_manifest(manifest: Any, key: str) -> tuple[dict[str, dict[str, Any]], 
     if not isinstance(files, dict) or not files:
         raise CorruptEntry("manifest lists no files")
     for name, info in files.items():
-        if not _FILE_RE.fullmatch(name) or name == MANIFEST:
-            raise CorruptEntry(f"manifest names a bad file {name[:80]!r}")  # (values are shown cut short)
-        if not isinstance(info, dict):
-            raise CorruptEntry(f"manifest entry for {name} is not an object")
-        size, sha = info.get("size"), info.get("sha256")
-        if not (_is_int(size) and 0 <= size < _MAX_SIZE):
-            raise CorruptEntry(f"manifest gives {name} a bad size ({type(size).__name__} {str(size)[:20]})")
-        if not (isinstance(sha, str) and _SHA_RE.fullmatch(sha)):
-            raise CorruptEntry(f"manifest gives {name} a bad sha256 ({type(sha).__name__} {str(sha)[:70]!r})")
+        if name == MANIFEST:
+            raise CorruptEntry(f"manifest names a bad file {name!r}")
+        check_file_record(name, info)
     meta = manifest.get("meta")
     if not isinstance(meta, dict):
         raise CorruptEntry("manifest has no meta")
@@ -328,9 +346,45 @@ class Cache:
             private_dir(self._dir(sub))
         self._ready = True
 
+    # -- the toolchain a compiler-less host keys on ------------------------------------------------
+    def _toolchain_path(self, arch: str) -> Path:
+        if not _ARCH_NAME.fullmatch(arch):  # arch names only ever become file names
+            raise CacheError(f"malformed arch {arch!r}")
+        return self.base / f"toolchain-{arch}.json"
+
+    def pinned_toolchain(self, arch: str) -> dict[str, str]:
+        """The compiler versions `pin_toolchain` recorded for arch ({} if none, or if unreadable: a bad
+        record only changes keys, and every entry they find is still verified)."""
+        try:
+            doc = json.loads(read_private(self._toolchain_path(arch), 4096))
+        except (OSError, ValueError, CacheError):
+            return {}
+        if not isinstance(doc, dict):
+            return {}
+        return {k: v for k, v in doc.items() if k in PINNABLE and isinstance(v, str) and 0 < len(v) <= 64}
+
+    def pin_toolchain(self, arch: str, versions: dict[str, str]) -> None:
+        """Record the compiler versions arch's entries were built with (atomically, privately): a host
+        without that compiler keys on them (key.toolchain)."""
+        self.ensure()
+        path = self._toolchain_path(arch)
+        doc = {k: versions[k] for k in PINNABLE if isinstance(versions.get(k), str)}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(canonical_json(doc))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.base)
+
     @staticmethod
     def _check_key(key: str) -> str:
-        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):  # hex digests only ever become paths
+        if not valid_key(key):  # hex digests only ever become paths
             raise CacheError(f"malformed cache key {key!r}")
         return key
 
@@ -356,7 +410,7 @@ class Cache:
             raise CorruptEntry(f"entry {key} is not a directory") from None
         ino = os.lstat(path).st_ino
         try:
-            return self._verify(key, path, expect)
+            return verify_dir(key, path, expect)
         except CorruptEntry:
             try:
                 still = os.lstat(path).st_ino == ino
@@ -365,50 +419,6 @@ class Cache:
             if not still:  # removed or replaced while we read it: not corrupt, just gone
                 raise FileNotFoundError(f"entry {key} vanished while being verified") from None
             raise
-
-    def _verify(self, key: str, path: Path, expect: dict[str, Any] | None) -> Entry:
-        try:
-            _check_kind(path / MANIFEST)
-            raw = _read_manifest(path / MANIFEST)
-        except FileNotFoundError:
-            raise CorruptEntry("manifest missing") from None
-        manifest, files, meta = _parse_manifest(raw, key)
-        if manifest.get("meta_sha256") != manifest_digest(manifest):  # absent, too: no unsealed manifests
-            raise CorruptEntry("manifest meta does not match its checksum")
-        try:
-            present = set(os.listdir(path))
-        except FileNotFoundError:
-            raise CorruptEntry("entry vanished") from None
-        extra = present - set(files) - {MANIFEST}
-        if extra:
-            raise CorruptEntry(f"entry holds files the manifest does not list: {sorted(extra)}")
-        for name, info in files.items():  # names and types already checked by check_manifest
-            fpath = path / name
-            try:
-                _check_kind(fpath)
-                check_private(fpath, is_dir=False)
-                size = os.lstat(fpath).st_size
-            except FileNotFoundError:
-                raise CorruptEntry(f"{name} is missing") from None
-            if size != info["size"]:
-                raise CorruptEntry(f"{name} has {size} bytes, manifest says {info['size']}")
-            if sha256_file(fpath) != info["sha256"]:
-                raise CorruptEntry(f"{name} does not match its sha256")
-        lib = meta.get("lib")
-        if lib is not None:
-            if lib not in files:
-                raise CorruptEntry(f"manifest's library {lib!r} is not one of its verified files")
-            try:
-                check_elf(path / lib)
-            except BadFile as e:
-                raise CorruptEntry(str(e)) from None
-        for k, want in (expect or {}).items():
-            got = meta.get(k)
-            if got != _json_norm(want):
-                raise CorruptEntry(
-                    f"manifest meta {k}={got!r} but {want!r} was asked for (an artifact for another variant)"
-                )
-        return Entry(key, path, manifest)
 
     def lookup(self, key: str, expect: dict[str, Any] | None = None) -> Entry | None:
         """A verified entry, or None; a corrupt one is moved aside (under the key's lock)."""
@@ -808,6 +818,57 @@ class Cache:
                 pass
             finally:
                 release(kfd)
+
+
+def verify_dir(key: str, path: Path, expect: dict[str, Any] | None = None) -> Entry:
+    """The entry in dir `path` if it is complete, intact and what was asked for; CorruptEntry if not.
+
+    The one verification of an entry's contents (manifest structure and seal, every file's kind,
+    owner, mode, size and sha256, no unlisted file, the library's ELF header, `expect`), for the
+    cache's own entries and for entries unpacked from a bundle before they are installed.
+    """
+    try:
+        _check_kind(path / MANIFEST)
+        raw = _read_manifest(path / MANIFEST)
+    except FileNotFoundError:
+        raise CorruptEntry("manifest missing") from None
+    manifest, files, meta = _parse_manifest(raw, key)
+    if manifest.get("meta_sha256") != manifest_digest(manifest):  # absent, too: no unsealed manifests
+        raise CorruptEntry("manifest meta does not match its checksum")
+    try:
+        present = set(os.listdir(path))
+    except FileNotFoundError:
+        raise CorruptEntry("entry vanished") from None
+    extra = present - set(files) - {MANIFEST}
+    if extra:
+        raise CorruptEntry(f"entry holds files the manifest does not list: {sorted(extra)}")
+    for name, info in files.items():  # names and types already checked by check_manifest
+        fpath = path / name
+        try:
+            _check_kind(fpath)
+            check_private(fpath, is_dir=False)
+            size = os.lstat(fpath).st_size
+        except FileNotFoundError:
+            raise CorruptEntry(f"{name} is missing") from None
+        if size != info["size"]:
+            raise CorruptEntry(f"{name} has {size} bytes, manifest says {info['size']}")
+        if sha256_file(fpath) != info["sha256"]:
+            raise CorruptEntry(f"{name} does not match its sha256")
+    lib = meta.get("lib")
+    if lib is not None:
+        if lib not in files:
+            raise CorruptEntry(f"manifest's library {lib!r} is not one of its verified files")
+        try:
+            check_elf(path / lib)
+        except BadFile as e:
+            raise CorruptEntry(str(e)) from None
+    for k, want in (expect or {}).items():
+        got = meta.get(k)
+        if got != _json_norm(want):
+            raise CorruptEntry(
+                f"manifest meta {k}={got!r} but {want!r} was asked for (an artifact for another variant)"
+            )
+    return Entry(key, path, manifest)
 
 
 def _check_kind(path: Path) -> None:

@@ -655,6 +655,7 @@ def _parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_plot_study)
     _add_tune(sub)
     _add_db(sub)
+    _add_bundle(sub)
     return ap
 
 
@@ -912,6 +913,72 @@ def _db_list(kernel: str | None, arch: str) -> int:
               f"{shipped_db_dir()})")
         return 0
     print(_table(rows, ["kernel", "shape", "bucket", "config", "speedup", "trials", "db"]))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# tkjit bundle
+# ----------------------------------------------------------------------------------------------
+def _add_bundle(sub: Any) -> None:
+    p = sub.add_parser("bundle", help="ship compiled kernels: verified cache entries to a tar file, and back",
+                       description="Compile once (a CPU build host cross-compiles), serve everywhere: `export` "
+                       "writes the verified entries of a manifest or of the cache, with the tuned-DB entries that "
+                       "select them; `import` checks all of it and installs it, so GPU hosts with "
+                       "TKJIT_DISABLE_JIT=1 serve them without a compiler.")
+    what = p.add_subparsers(dest="what", required=True, metavar="ACTION")
+    q = what.add_parser("export", help="write a bundle: a manifest's kernels (compiled when missing) or the cache's")
+    src = q.add_mutually_exclusive_group(required=True)
+    src.add_argument("--manifest", default=None, metavar="FILE",
+                     help="a TOML manifest (tools/manifest.toml's format): the config tkjit.get serves at each shape")
+    src.add_argument("--from-cache", action="store_true", help="every verified cache entry for --arch")
+    q.add_argument("--arch", type=_arch_arg, default=None, help="e.g. sm_90a (default: TKJIT_ARCH, the GPU)")
+    q.add_argument("--with-defaults", action="store_true",
+                   help="with --manifest: also each tuned shape's heuristic default (served under TKJIT_NO_TUNED_DB=1)")
+    q.add_argument("-o", "--out", default=None, metavar="FILE",
+                   help="default: tkjit-<arch>.tar; a name ending in .gz or .tgz is gzip'ed")
+    q.add_argument("-j", "--jobs", type=_jobs_arg, default=None, help="parallel compile processes (default: cores)")
+    q.set_defaults(fn=cmd_bundle_export)
+    q = what.add_parser("import", help="verify a bundle whole, then install its entries and tuned-DB entries")
+    q.add_argument("file", metavar="FILE")
+    q.set_defaults(fn=cmd_bundle_import)
+
+
+def cmd_bundle_export(args) -> int:
+    from tkjit.bundle import export_bundle
+
+    if args.from_cache and args.with_defaults:
+        raise UsageError("bundle export: --with-defaults goes with --manifest (--from-cache takes what is cached)")
+    studies = None
+    if args.manifest:
+        from tkjit.tuning.pretune import load_manifest
+
+        studies = load_manifest(args.manifest)
+    arch = _cli_arch(args.arch)
+    out = Path(args.out or f"tkjit-{arch}.tar")
+    report = export_bundle(out, arch, studies=studies, jobs=args.jobs, with_defaults=args.with_defaults,
+                           log=lambda line: print(line, flush=True))
+    for it in report.items:
+        print(f"  {it.kernel} {_compact(it.shape)} {_compact(it.config)}: {it.status} {it.key[:12]} ({it.source})")
+    n = len(report.items)
+    print(f"wrote {out}: {n} {'entry' if n == 1 else 'entries'} for {arch}, {report.tuned} tuned DB "
+          f"{'entry' if report.tuned == 1 else 'entries'}, {_size(report.size)}")
+    return 0
+
+
+def cmd_bundle_import(args) -> int:
+    from tkjit.build import cache
+    from tkjit.bundle import import_bundle
+
+    report = import_bundle(args.file)
+    for it in report.items:
+        print(f"  {it.kernel} {_compact(it.shape)} {_compact(it.config)}: {it.status} {it.key[:12]}")
+    n, new = len(report.items), sum(it.status == "installed" for it in report.items)
+    line = (f"imported {args.file} ({report.arch}) into {cache().root}: {n} {'entry' if n == 1 else 'entries'} "
+            f"({new} new, {n - new} already there)")
+    if report.tuned:
+        line += (f"; {report.tuned} tuned DB entries ({report.tuned_changed} new or changed) into "
+                 f"{', '.join(str(p) for p in report.tuned_files)}")
+    print(line)
     return 0
 
 

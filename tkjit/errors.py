@@ -64,6 +64,10 @@ class CacheError(TkjitError):
     """The on-disk cache cannot be used (permissions, ownership, lock timeout)."""
 
 
+class BundleError(TkjitError):
+    """A bundle cannot be exported, or is malformed or tampered with (then nothing of it is installed)."""
+
+
 class LaunchError(TkjitError, RuntimeError):
     """The kernel launch reported an error."""
 
