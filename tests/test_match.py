@@ -45,4 +45,4 @@ def test_spec_and_space_agree(block):
         spec.check_config({"num_tokens": 8}, {"block": 64, "unroll": 0})
     ok = {"block": 64, "unroll": True}
     assert spec.check_config({"num_tokens": 8}, ok) == ok
-    assert Space(spec, {"num_tokens": 8}, None).to_params(ok) == {"block": 1, "unroll": True}
+    assert Space(spec, {"num_tokens": 8}, None).to_params(ok) == {"block_index": 1, "unroll": True}
