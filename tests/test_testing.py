@@ -3,8 +3,9 @@ a stand-in kernel: no compiler."""
 
 import torch
 
+import tkjit
 from tkjit.spec import KernelSpec, Runtime, TensorArg
-from tkjit.testing import check, reference_outputs, run_against_reference
+from tkjit.testing import check, check_configs, reference_outputs, run_against_reference, spread
 
 
 def _spec() -> KernelSpec:
@@ -68,3 +69,25 @@ def test_check_names_the_kernel_config_and_sizes():
     assert check(_Kernel(0), {"num_tokens": 7}, device="cpu", seed=3) is None
     msg = check(_Kernel(1), {"num_tokens": 7}, device="cpu", seed=3)
     assert msg is not None and msg.startswith("double_probe {'skip': 1} at {'num_tokens': 7}: y: ")
+
+
+def test_spread_keeps_the_ends_and_the_default():
+    configs = [{"i": i} for i in range(10)]
+    assert spread(configs, None) == configs and spread(configs, 10) == configs
+    assert spread(configs, 4) == [{"i": 0}, {"i": 3}, {"i": 6}, {"i": 9}]
+    assert spread(configs, 4, keep={"i": 5}) == [{"i": 0}, {"i": 3}, {"i": 6}, {"i": 5}]
+    assert spread(configs, 1, keep={"i": 0}) == [{"i": 0}]
+
+
+def test_check_configs_compiles_then_checks_each_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path / "cache"))
+    tkjit.reset()
+    shape = {"num_tokens": 64, "n": 4}
+    assert check_configs("sinkhorn_fwd", [shape], [{"num_tokens": 1}, {"num_tokens": 37}], seeds=(0,),
+                         arch="cpu", device="cpu", most=2) == []
+    # A wrong reference fails every config, each failure naming its config and sizes.
+    spec = tkjit.get_spec("sinkhorn_fwd")
+    monkeypatch.setattr(spec, "reference", lambda s, x: x)
+    failures = check_configs("sinkhorn_fwd", [shape], [{"num_tokens": 5}], seeds=(0,), arch="cpu",
+                             device="cpu", most=2)
+    assert len(failures) == 2 and all("{'num_tokens': 5}" in f for f in failures), failures

@@ -100,6 +100,59 @@ def check(
     return None
 
 
+def spread(configs: Sequence[dict[str, Any]], most: int | None, keep: dict[str, Any] | None = None) -> list:
+    """At most `most` of configs, evenly spread over the list (its order is the space's), `keep` (the
+    default) always among them; all of them when most is None or not smaller."""
+    configs = list(configs)
+    if most is None or len(configs) <= most:
+        return configs
+    picked = [configs[round(i * (len(configs) - 1) / max(1, most - 1))] for i in range(most)]
+    if keep is not None and keep in configs and keep not in picked:
+        picked[-1] = keep
+    return picked
+
+
+def check_configs(
+    name: str,
+    shapes: Sequence[dict[str, Any]],
+    sizes: Sequence[dict[str, int]],
+    *,
+    seeds: Sequence[int] = (0, 1),
+    arch: str = "sm_90a",
+    device: str = "cuda",
+    most: int | None = None,
+) -> list[str]:
+    """The configs of the space at each shape, compiled in parallel first (tkjit.pool.compile_many), each
+    run at every runtime size of `sizes` (merged into the shape) with every seed against the reference.
+
+    Returns the failures, each naming the config and the sizes (empty: all passed). most: an evenly
+    spread subset of each space (`spread`, the default always in), for a bounded test time.
+    """
+    from tkjit.pool import compile_many
+    from tkjit.registry import get_spec
+
+    spec = get_spec(name)
+    jobs = []
+    for shape in shapes:
+        full = spec.canonical_shape(shape)
+        picked = spread(spec.configs(full, arch), most, spec.default_config(full, arch))
+        jobs += [(name, spec.static_shape(full), c, arch, "explicit") for c in picked]
+    failures = [f"{name} {cfg} does not compile: {err}" for (_, _, cfg, _, _), (_, err) in
+                zip(jobs, compile_many(jobs)) if err is not None]
+    if failures:
+        return failures
+    from tkjit.api import get
+
+    for _, static, cfg, _, _ in jobs:
+        for size in sizes:
+            kern = get(name, {**static, **size}, arch=arch, config=cfg)
+            for seed in seeds:
+                msg = check(kern, {**static, **size}, device=device, seed=seed)
+                if msg:
+                    failures.append(msg)
+    return failures
+
+
 def bit_equal(a, b) -> bool:
     """Bit-exact equality of tensors (or tuples of them): same dtype, shape and bits; 1-byte floats
     (fp8) are compared as bytes, and NaN never equals NaN, so a NaN-poisoned element left unwritten

@@ -9,10 +9,10 @@ import tkjit
 import tkjit.compat.tile_kernels
 import tkjit.ops
 from kernel_specs.moe.expand_to_fused import _bits
-from tkjit.pool import compile_many
-from tkjit.testing import check
+from tkjit.testing import check, check_configs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
+MOST = 24  # configs checked per shape: an even spread of the space, the default among them
 NAME = "expand_to_fused"
 
 
@@ -32,18 +32,8 @@ def test_default_config_every_size(h, k, dtype):
 
 @pytest.mark.parametrize("h,dtype", [(576, "bfloat16"), (1000, "float8_e4m3fn")])
 def test_every_config_in_the_space(h, dtype):
-    spec = tkjit.get_spec(NAME)
-    full = spec.canonical_shape(_shape(4001, 30000, h, 6, dtype))
-    jobs = [(NAME, spec.static_shape(full), c, "sm_90a", "explicit") for c in spec.configs(full, "sm_90a")]
-    errors = compile_many(jobs)
-    assert all(err is None for _, err in errors), [err for _, err in errors if err][:5]
-    failures = []
-    for i, (_, static, cfg, _, _) in enumerate(jobs):
-        kern = tkjit.get(NAME, {**static, "num_tokens": 7, "num_expanded_tokens": 50}, config=cfg)
-        for n, p in ((1, 3), (7, 50), (4001, 30000)):
-            msg = check(kern, {**static, "num_tokens": n, "num_expanded_tokens": p}, seed=i)
-            if msg:
-                failures.append(msg)
+    sizes = [{"num_tokens": n, "num_expanded_tokens": p} for n, p in ((1, 3), (7, 50), (4001, 30000))]
+    failures = check_configs(NAME, [_shape(4001, 30000, h, 6, dtype)], sizes, most=MOST)
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
 
 
