@@ -12,7 +12,7 @@ from tkjit.tuning import Space, config_id, tune
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 from fakes import TableEvaluator, fake_spec, synthetic_table  # noqa: E402
-from tool_loader import load_tool  # noqa: E402
+from tool_loader import SCRIPTS, load_tool  # noqa: E402
 
 SPACE = {"block": (32, 64, 128, 256), "threads": (32, 64, 128), "unroll": (False, True)}
 
@@ -141,7 +141,7 @@ def test_space_encoding_roundtrip(spec):
 
 
 def test_sampler_reaches_exhaustive_best_with_30pct_of_trials():
-    sampler_eval = load_tool("sampler_eval")
+    sampler_eval = load_tool("sampler_eval", SCRIPTS)
 
     spec = fake_spec(sampler_eval.SYNTHETIC_SPACE, constraint=sampler_eval.synthetic_constraint)
     table = synthetic_table(sampler_eval.SYNTHETIC_SPACE, seed=1)

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import textwrap
 
+from tkjit.cli import add_shape_arg, parse_shape
+
 CHILD = textwrap.dedent(
     """
     import json, sys, time
@@ -118,17 +120,18 @@ TILE_KERNELS = textwrap.dedent(
 )
 
 TARGET_MS = 20.0  # import tkjit + get from disk + first launch, in a fresh process after CUDA init
+DEFAULT_SHAPE = {"num_tokens": 1, "num_experts": 256, "k": 8}  # topk_gate at decode: one token
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", default="topk_gate")
-    ap.add_argument("--shape", nargs="*", default=["num_tokens=1", "num_experts=256", "k=8"])
+    add_shape_arg(ap, help="the kernel's shape (default, for topk_gate: --shape num_tokens=1 num_experts=256 k=8)")
     ap.add_argument("--arch", default="", help="e.g. cpu (default: the GPU's)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--breakdown", action="store_true", help="also time each step of one fresh get")
     args = ap.parse_args()
-    shape = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.shape)}
+    shape = parse_shape(args.shape) if args.shape else DEFAULT_SHAPE
     child = [sys.executable, "-c", CHILD, args.kernel, json.dumps(shape), args.arch]
     subprocess.run(child, check=True, capture_output=True)  # warm the cache (compiles if cold)
     runs = []

@@ -1,4 +1,4 @@
-"""Fake evaluators and timers: search-logic tests, `tools/sampler_eval.py` on a timing table.
+"""Fake evaluators and timers: search-logic tests, `benchmarks/h200/scripts/sampler_eval.py` on a timing table.
 
 TableEvaluator answers from a table (config id -> µs) without compiling or running anything, and
 records what it was asked to compile and bench, so tests can check the search logic: what ran

@@ -1,4 +1,5 @@
-"""Import a script of tools/ as a module, without putting tools/ on sys.path.
+"""Import a script of tools/ (or of benchmarks/h200/scripts/) as a module, without putting its
+folder on sys.path.
 
 On sys.path, tools/ would also shadow any standard module a script is named like, for the rest of
 the test session.
@@ -11,14 +12,16 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-TOOLS = Path(__file__).resolve().parent.parent.parent / "tools"
+ROOT = Path(__file__).resolve().parent.parent.parent
+TOOLS = ROOT / "tools"
+SCRIPTS = ROOT / "benchmarks" / "h200" / "scripts"  # experiment drivers of the H200 results
 
 
-def load_tool(name: str) -> ModuleType:
-    """tools/<name>.py as the module `name` (loaded once per process)."""
+def load_tool(name: str, folder: Path = TOOLS) -> ModuleType:
+    """<folder>/<name>.py (tools/ by default) as the module `name` (loaded once per process)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     # Registered before it runs, as a normal import does (dataclasses look their module up).

@@ -5,8 +5,8 @@ except where a sampler learns from them: in a TPE study (`ordinal=True`) a numer
 than two candidates is suggested as an *index* into its sorted values, an int param named
 `<dim>_index`, so TPE's Parzen estimator sees that 64 lies between 32 and 128. Categoricals of the
 real values lose that order, and it costs: replaying the synthetic 376-config landscape of
-tools/sampler_eval.py at 15% of the trials, 2/5 seeds came within 2% of the best with categoricals
-against 4/5 with indices (3/5 against 5/5 at 30%). An exhaustive study enqueues every config, so
+benchmarks/h200/scripts/sampler_eval.py at 15% of the trials, 2/5 seeds came within 2% of the best
+with categoricals against 4/5 with indices (3/5 against 5/5 at 30%). An exhaustive study enqueues every config, so
 nothing learns from its params and they are the real values. The trial's `config` user attribute
 always holds the real config. A suggested combination the constraints reject is never compiled:
 the tuner prunes it without counting it.

@@ -2,10 +2,11 @@
 """How well does the sampler do against exhaustive search, on one kernel's timing table?
 
     # GPU (the lead): measure the whole space of one study, then replay TPE on that table
-    python tools/sampler_eval.py --kernel sinkhorn_fwd --shape num_tokens=1048576,n=4 --save-table t.json
+    python benchmarks/h200/scripts/sampler_eval.py --kernel sinkhorn_fwd --shape num_tokens=1048576 n=4 \\
+        --save-table t.json
     # any host: replay on a saved table, or on a synthetic >= 200-config landscape
-    python tools/sampler_eval.py --table t.json --kernel sinkhorn_fwd --shape num_tokens=1048576,n=4
-    python tools/sampler_eval.py --synthetic
+    python benchmarks/h200/scripts/sampler_eval.py --table t.json --kernel sinkhorn_fwd --shape num_tokens=1048576 n=4
+    python benchmarks/h200/scripts/sampler_eval.py --synthetic
 
 Target: with <= 30% of the exhaustive trial count, the sampler's best is within 2% of the true best
 (reported per seed, and as the fraction of seeds that meet it).
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]  # benchmarks/h200/scripts/ -> the repository root
 # tests/helpers: the table-driven evaluator and the synthetic landscapes (fakes.py), which are
 # test doubles and do not ship in the package.
 for _p in (ROOT, ROOT / "tests" / "helpers"):
@@ -74,9 +75,11 @@ def evaluate(spec, shape: dict, table: dict[str, float], *, frac: float = 0.3, s
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tkjit.cli import add_shape_arg, parse_shape
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel")
-    ap.add_argument("--shape", default="", help="k=v,k=v (full shape)")
+    add_shape_arg(ap, help="the full shape, e.g. --shape num_tokens=4096 n=4")
     ap.add_argument("--arch", default=None)
     ap.add_argument("--table", help="timing table JSON (config id -> µs) to replay")
     ap.add_argument("--save-table", help="measure every allowed config (exhaustive study) and save the table")
@@ -86,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tol", type=float, default=0.02)
     ap.add_argument("--jobs", type=int, default=None)
     args = ap.parse_args(argv)
-    from tkjit.cli import parse_kv
-
-    shape: dict[str, Any] = parse_kv(filter(None, args.shape.split(",")), "shape")
+    shape: dict[str, Any] = parse_shape(args.shape)
     if args.synthetic:
         from fakes import fake_spec, synthetic_table
 

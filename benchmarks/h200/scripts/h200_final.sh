@@ -2,6 +2,8 @@
 # One lease on the H200: cold start, pretune over the manifest (writes tkjit/tuning_db_data/), GPU tests,
 # then the benchmark table with the tuned configs. Every step has its own time limit so one slow
 # step cannot lose the others' results. Results go to $OUT (at most 8 files come back).
+#   bash benchmarks/h200/scripts/h200_final.sh   (paths below are from the repository root)
+cd "$(dirname "$0")/../../.." || exit 1
 source .gpu/env.sh
 export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16
 mkdir -p "$OUT"

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# GPU verification leases on the H200, in stages (each stage is one `run`, <= 10 minutes):
-#   tools/h200_verify.sh tests     # the GPU test files (not the every-config tests of sinkhorn_bwd and
-#                                  # transpose) + ncu profiles of the kernels that miss their targets
-#   tools/h200_verify.sh sampler   # exhaustive sinkhorn_bwd study (gate on every config) + TPE replay,
-#                                  # then the every-config tests of sinkhorn_bwd and transpose
-#   tools/h200_verify.sh suite     # every GPU test file but the every-config ones, then tools/hostcost.py
-#   tools/h200_verify.sh widened   # per_token_cast (partial last groups, group 16) and topk_gate (any
-#                                  # expert count) files in full, every-config tests included
-#   tools/h200_verify.sh runtime   # the C-ABI launch path (ffi, abi, sinkhorn, torch ops), partial cast
-#                                  # groups, odd expert counts, host cost and cold start
-#   tools/h200_verify.sh catalog   # new kernels ($KERNELS, comma-separated): their GPU test files, then
-#                                  # (TUNE=1) a pretune into the shipped DB and the benchmark table
-#   tools/h200_verify.sh strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
-#                                  # short, host cost, and the transpose / per_token_cast benchmark
+# GPU verification leases on the H200, in stages (each stage is one `run`, <= 10 minutes), started as
+# `bash benchmarks/h200/scripts/h200_verify.sh STAGE` (from any directory); STAGE is one of:
+#   tests     # the GPU test files (not the every-config tests of sinkhorn_bwd and
+#             # transpose) + ncu profiles of the kernels that miss their targets
+#   sampler   # exhaustive sinkhorn_bwd study (gate on every config) + TPE replay,
+#             # then the every-config tests of sinkhorn_bwd and transpose
+#   suite     # every GPU test file but the every-config ones, then tools/hostcost.py
+#   widened   # per_token_cast (partial last groups, group 16) and topk_gate (any
+#             # expert count) files in full, every-config tests included
+#   runtime   # the C-ABI launch path (ffi, abi, sinkhorn, torch ops), partial cast
+#             # groups, odd expert counts, host cost and cold start
+#   catalog   # new kernels ($KERNELS, comma-separated): their GPU test files, then
+#             # (TUNE=1) a pretune into the shipped DB and the benchmark table
+#   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
+#             # short, host cost, and the transpose / per_token_cast benchmark
+#   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
 # Every step has its own time limit so one slow step cannot lose the others' results.
+# Paths below are from the repository root (tests/, tools/, .gpu/), wherever the script is started from.
+cd "$(dirname "$0")/../../.." || exit 1
 source .gpu/env.sh
 export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16
 mkdir -p "$OUT"
@@ -27,7 +31,8 @@ tests)
   echo "rc=$?" >> "$OUT/pytest_bwd.txt"
   { for job in "sinkhorn_fwd num_tokens=4096,n=4" "topk_gate num_tokens=65536,num_experts=256,k=8" \
                "transpose rows=16384,cols=7168,dtype=bfloat16"; do
-      echo "=== $job"; timeout 40 $NCU -k "$KSEL" python tools/ncu_profile.py $job
+      # "NAME SHAPE": the first space becomes " --shape " (ncu_profile.py takes the shared --shape option)
+      echo "=== $job"; timeout 40 $NCU -k "$KSEL" python tools/ncu_profile.py ${job/ / --shape }
     done; } > "$OUT/ncu.txt" 2>&1
   timeout 50 $PYTEST -s tests/gpu/test_gpu_tuning.py > "$OUT/pytest_tuning.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_tuning.txt"
   timeout 120 $PYTEST -s tests/gpu/test_gpu_per_token_cast.py > "$OUT/pytest_per_token_cast.txt" 2>&1
@@ -40,7 +45,7 @@ tests)
   tail -n 3 "$OUT"/pytest_*.txt; grep -E "^===|Duration|Throughput|Registers|Achieved Occ|Theoretical Occ|Issue Slots|No Eligible" "$OUT/ncu.txt" | head -80
   ;;
 sampler)
-  timeout 330 python tools/sampler_eval.py --kernel sinkhorn_bwd --shape num_tokens=262144,n=4,repeat=10 \
+  timeout 330 python benchmarks/h200/scripts/sampler_eval.py --kernel sinkhorn_bwd --shape num_tokens=262144,n=4,repeat=10 \
     --arch sm_90a --save-table "$OUT/sampler_table_bwd.json" > "$OUT/sampler_bwd.txt" 2>&1
   echo "rc=$?" >> "$OUT/sampler_bwd.txt"
   timeout 90 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k every > "$OUT/pytest_every.txt" 2>&1

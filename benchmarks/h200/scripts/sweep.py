@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time every allowed config of one kernel at one shape (exhaustive; no isolation, no tuner).
 
-    python tools/sweep.py sinkhorn_fwd num_tokens=1048576 [--json out.json] [--reps 30]
+    python benchmarks/h200/scripts/sweep.py sinkhorn_fwd --shape num_tokens=1048576 [--json out.json] [--reps 30]
 
 Each config is checked against the reference first (poisoned outputs); wrong ones are listed, not
 timed. The JSON (config -> median us) is the ground truth for judging the sampler.
@@ -14,6 +14,7 @@ import json
 import sys
 
 import tkjit
+from tkjit.cli import add_shape_arg, parse_shape
 from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, rel_spread, time_cuda
@@ -22,13 +23,13 @@ from tkjit.timing import median, rel_spread, time_cuda
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("kernel")
-    ap.add_argument("shape", nargs="*")
+    add_shape_arg(ap)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
     spec = tkjit.get_spec(args.kernel)
-    shape = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.shape)}
+    shape = parse_shape(args.shape)
     full = spec.canonical_shape(shape)
     cfgs = spec.configs(full, "sm_90a")
     errs = compile_many([(spec.name, spec.static_shape(full), c, "sm_90a", "explicit") for c in cfgs])
