@@ -23,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = "tkjit/tuning_db_data/sm_90a/NVIDIA_H200.json"
+SPECS_DIR = ROOT / "kernel_specs"  # installed and imported as `tkjit_kernels`
 # A shape the shipped H200 DB holds (checked against the file below, so a re-tune that drops it says so).
 KERNEL, SHAPE = "transpose", {"rows": 4096, "cols": 7168, "dtype": "bfloat16"}
 SKIP = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", ".gpu", "benchmarks"}
@@ -69,6 +70,34 @@ def test_wheel_and_sdist_carry_the_shipped_db(built):
 
 
 @pytest.mark.slow
+def test_wheel_installs_the_specs_as_tkjit_kernels(built):
+    """kernel_specs/ goes into the wheel as `tkjit_kernels` (every spec module), never as a top-level
+    `kernel_specs` that another project could own too."""
+    _, wheel, _ = built
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    tops = {n.split("/", 1)[0] for n in names if "/" in n and ".dist-info/" not in n}
+    assert tops == {"tkjit", "tkjit_kernels"}, tops
+    want = {f"tkjit_kernels/{p.relative_to(SPECS_DIR).as_posix()}" for p in SPECS_DIR.rglob("*.py")}
+    assert want <= names, sorted(want - names)
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """pyproject lists the packages (the kernel_specs/ -> tkjit_kernels mapping rules out
+    `packages.find`): a new package folder left out would be missing from the wheel."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert conf["package-dir"] == {"tkjit_kernels": "kernel_specs"}
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tkjit").rglob("__init__.py")}
+    found |= {".".join(("tkjit_kernels", *p.parent.relative_to(SPECS_DIR).parts))
+              for p in SPECS_DIR.rglob("__init__.py")}
+    assert set(conf["packages"]) == found
+
+
+@pytest.mark.slow
 def test_installed_wheel_serves_the_shipped_config(built, tmp_path):
     tmp, wheel, _ = built
     venv = tmp / "venv"
@@ -85,9 +114,13 @@ def test_installed_wheel_serves_the_shipped_config(built, tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     script = textwrap.dedent(f"""
-        import json, tkjit
+        import importlib.util, json, tkjit, tkjit_kernels
         k = tkjit.get({KERNEL!r}, {SHAPE!r}, arch="sm_90a")
-        print(json.dumps({{"file": tkjit.__file__, "source": k.config_source}}))
+        print(json.dumps({{"file": tkjit.__file__, "source": k.config_source,
+                          "specs_file": tkjit_kernels.__file__,
+                          "kernel_specs": importlib.util.find_spec("kernel_specs") is not None,
+                          "index": sorted(tkjit_kernels.INDEX),
+                          "catalog": [s.name for s in tkjit.all_specs()]}}))
     """)
     r = _run([str(py), "-I", "-c", script], cwd=work, env=env)
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -95,6 +128,10 @@ def test_installed_wheel_serves_the_shipped_config(built, tmp_path):
     assert ROOT not in installed.parents, f"imported the checkout's tkjit: {installed}"
     assert venv.resolve() in installed.parents, installed
     assert out["source"] == "tuned:shipped", out
+    specs = Path(out["specs_file"]).resolve()
+    assert venv.resolve() in specs.parents and specs.parent.name == "tkjit_kernels", specs
+    assert not out["kernel_specs"], "a top-level kernel_specs package is importable"
+    assert set(out["index"]) <= set(out["catalog"]), "the full scan of tkjit_kernels misses INDEX kernels"
 
 
 def test_no_shipped_db_serves_defaults_and_says_where_it_looked_once(cache_dir, tmp_path, monkeypatch, caplog):

@@ -10,11 +10,11 @@ import torch
 import tkjit
 import tkjit.ops
 import tkjit.torch_ops
-from kernel_specs.moe import get_fused_mapping as mod
 from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.kernel import CompiledKernel
 from tkjit.registry import get_spec
 from tkjit.spec import validate
+from tkjit_kernels.moe import get_fused_mapping as mod
 
 NAME = "get_fused_mapping"
 

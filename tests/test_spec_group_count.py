@@ -6,12 +6,12 @@ import torch
 
 import tkjit
 import tkjit.ops
-from kernel_specs.moe import group_count as mod
 from tkjit.compat.tile_kernels import moe as tk_moe
 from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.registry import get_spec
 from tkjit.spec import validate
 from tkjit.testing import check
+from tkjit_kernels.moe import group_count as mod
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 

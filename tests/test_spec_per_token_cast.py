@@ -229,9 +229,9 @@ def test_colmajor_spec_validates(spec, colmajor):
         full = colmajor.canonical_shape(ex)
         assert colmajor.default_config(full, "sm_90a") == spec.default_config(full, "sm_90a")
     assert colmajor.outputs[1].dims[1] == Align("num_tokens", 4)
-    import kernel_specs
+    import tkjit_kernels
 
-    assert kernel_specs.INDEX[COLMAJOR] == kernel_specs.INDEX[NAME]
+    assert tkjit_kernels.INDEX[COLMAJOR] == tkjit_kernels.INDEX[NAME]
 
 
 @pytest.mark.parametrize("n,padded", [(1, 4), (3, 4), (4, 4), (5, 8), (4001, 4004), (65536, 65536)])

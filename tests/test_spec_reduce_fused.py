@@ -12,12 +12,12 @@ import torch
 import tkjit
 import tkjit.ops
 import tkjit.torch_ops
-from kernel_specs.moe import reduce_fused as mod
 from tkjit.compat.tile_kernels import moe as tk_moe
 from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.kernel import CompiledKernel
 from tkjit.registry import get_spec
 from tkjit.spec import validate
+from tkjit_kernels.moe import reduce_fused as mod
 
 NAME = "reduce_fused"
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import tkjit
-from kernel_specs.mhc.sinkhorn import reference as fwd_reference
 from tkjit.testing import check
+from tkjit_kernels.mhc.sinkhorn import reference as fwd_reference
 
 SHAPE = {"num_tokens": 4096, "n": 4}
 

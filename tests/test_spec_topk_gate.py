@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import tkjit
-from kernel_specs.moe import topk_gate as mod
 from tkjit.errors import ConfigError, ShapeError
 from tkjit.registry import get_spec
 from tkjit.spec import validate
+from tkjit_kernels.moe import topk_gate as mod
 
 NAME = "topk_gate"
 ODD_EXPERTS = (1, 3, 72, 96, 144, 160, 288, 1000, 1024)  # counts lanes*vec need not divide, and the bounds

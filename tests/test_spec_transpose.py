@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import tkjit
-from kernel_specs.transpose import transpose as tmod
 from tkjit.testing import check
+from tkjit_kernels.transpose import transpose as tmod
 
 BIG = {"dtype": "bfloat16", "cols": 7168, "rows": 16384}
 

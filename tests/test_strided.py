@@ -12,8 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tkjit
 import tkjit.ops
-from kernel_specs.transpose import transpose as tmod
 from tkjit import loader
+from tkjit_kernels.transpose import transpose as tmod
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # one cache: each kernel compiles once
 

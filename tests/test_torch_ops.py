@@ -21,9 +21,9 @@ import tkjit
 import tkjit.autograd
 import tkjit.ops
 import tkjit.torch_ops
-from kernel_specs.mhc.sinkhorn import reference as sinkhorn_reference
 from tkjit.kernel import CompiledKernel
 from tkjit.testing import bit_equal
+from tkjit_kernels.mhc.sinkhorn import reference as sinkhorn_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("sinkhorn_fwd", "sinkhorn_bwd", "topk_gate", "per_token_cast", "per_token_cast_colmajor", "transpose")

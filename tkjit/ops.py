@@ -191,7 +191,7 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
     one host sync reads num_tokens_per_expert (the list, python ints) and the three pos_* maps are cut to
     its sum. Otherwise the maps have num_expanded_tokens rows (positions past the layout hold -1;
     entries whose position falls at or past it are dropped) and the list is []."""
-    from kernel_specs.moe.get_fused_mapping import upper_bound
+    from tkjit_kernels.moe.get_fused_mapping import upper_bound
 
     should_sync = num_expanded_tokens == 0 and not force_no_sync
     if should_sync:

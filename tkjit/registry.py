@@ -1,4 +1,4 @@
-"""The kernel catalog: built-in specs from `kernel_specs`, plus user specs.
+"""The kernel catalog: built-in specs from `tkjit_kernels` (the `kernel_specs/` folder), plus user specs.
 
 Users register from their own package with `tkjit.register(spec)`, or by declaring an entry point in
 the `tkjit.specs` group that names a module to import (the module calls `register`).
@@ -37,9 +37,9 @@ def _load_all() -> None:
     with _lock:
         if _loaded:
             return
-        import kernel_specs
+        import tkjit_kernels
 
-        for mod in pkgutil.walk_packages(kernel_specs.__path__, "kernel_specs."):
+        for mod in pkgutil.walk_packages(tkjit_kernels.__path__, "tkjit_kernels."):
             importlib.import_module(mod.name)
         try:
             from importlib.metadata import entry_points
@@ -60,9 +60,9 @@ def get_spec(name: str) -> KernelSpec:
     if spec is not None:
         return spec
     with _lock:
-        import kernel_specs
+        import tkjit_kernels
 
-        module = kernel_specs.INDEX.get(name)
+        module = tkjit_kernels.INDEX.get(name)
         if module is not None:
             try:
                 importlib.import_module(module)

@@ -592,7 +592,7 @@ def get_fused_mapping_impl(topk_idx, num_experts, num_expanded_tokens, alignment
     num_tokens_per_expert: int32 (num_experts,)). Entries outside [-1, num_experts) count as -1; positions
     at or past num_expanded_tokens are dropped (token_topk_to_pos -1), or with TKJIT_CHECK_INDICES=1 a
     ShapeError (one device sync)."""
-    from kernel_specs.moe.get_fused_mapping import MAX_BLOCKS
+    from tkjit_kernels.moe.get_fused_mapping import MAX_BLOCKS
 
     shape = _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment)
     check_indices("get_fused_mapping", "topk_idx", topk_idx, num_experts)

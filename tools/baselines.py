@@ -225,7 +225,7 @@ SHAPES.update({
 # -- get_fused_mapping -------------------------------------------------------------------------------
 
 def _fused_mapping_torch(shape):
-    from kernel_specs.moe.get_fused_mapping import reference
+    from tkjit_kernels.moe.get_fused_mapping import reference
 
     # The spec's plain-torch reference (stable sort by expert); the workspace input is ignored.
     return lambda topk_idx, workspace: reference(shape, topk_idx, workspace)
@@ -244,7 +244,7 @@ def _fused_mapping_tk(shape, inputs):
 
 
 def _fused_shape(tokens, k, e, a):
-    from kernel_specs.moe.get_fused_mapping import upper_bound
+    from tkjit_kernels.moe.get_fused_mapping import upper_bound
 
     return {"num_tokens": tokens, "num_topk": k, "num_experts": e, "alignment": a,
             "num_expanded_tokens": upper_bound(tokens, k, e, a)}
@@ -365,7 +365,7 @@ def _expand_tk(shape, inputs):
 
 
 def _reduce_torch(shape):
-    from kernel_specs.moe.reduce_fused import split_inputs
+    from tkjit_kernels.moe.reduce_fused import split_inputs
 
     def f(*inputs):  # the weighted sum in float32 (multiply-adds, not bit-exact FMAs)
         x, w, pos, sf, x_sf = split_inputs(shape, inputs)
@@ -388,7 +388,7 @@ def _reduce_tk(shape, inputs):
         return None  # TileKernels' reduce_fused takes hidden multiples of 256 only
     from tile_kernels.moe import reduce_fused
 
-    from kernel_specs.moe.reduce_fused import split_inputs
+    from tkjit_kernels.moe.reduce_fused import split_inputs
 
     x, w, pos, sf, x_sf = split_inputs(shape, inputs)
     pos = _in_range(pos, x.shape[0])

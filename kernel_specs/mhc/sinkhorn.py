@@ -15,9 +15,9 @@ max and exp, row sums) come from _common.py, shared with sinkhorn_bwd.
 
 from __future__ import annotations
 
-from kernel_specs.mhc._common import COMMON, SMEM_LIMIT, mat_bytes, mats, random_mats, reference, token_blocks
 from tkjit.registry import register
 from tkjit.spec import KernelSpec
+from tkjit_kernels.mhc._common import COMMON, SMEM_LIMIT, mat_bytes, mats, random_mats, reference, token_blocks
 
 LAYOUTS = ("thread", "smem", "fragment")
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from kernel_specs.mhc._common import COMMON, SMEM_LIMIT, mat_bytes, mats, random_mats, token_blocks
-from kernel_specs.mhc._common import reference as sinkhorn_reference
 from tkjit.registry import register
 from tkjit.spec import KernelSpec
+from tkjit_kernels.mhc._common import COMMON, SMEM_LIMIT, mat_bytes, mats, random_mats, token_blocks
+from tkjit_kernels.mhc._common import reference as sinkhorn_reference
 
 LAYOUTS = ("thread", "smem")
 

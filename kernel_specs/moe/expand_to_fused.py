@@ -21,11 +21,11 @@ Tunables: threads, rows per block, vector width in bytes, vectors per lane (unro
 
 import torch
 
-from kernel_specs.moe._fused_rows import ELEM_BYTES, SPACE, geometry, random_mapping
-from kernel_specs.moe._fused_rows import constraint as row_constraint
-from kernel_specs.moe._fused_rows import default as row_default
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit_kernels.moe._fused_rows import ELEM_BYTES, SPACE, geometry, random_mapping
+from tkjit_kernels.moe._fused_rows import constraint as row_constraint
+from tkjit_kernels.moe._fused_rows import default as row_default
 
 DTYPES = tuple(ELEM_BYTES)
 MAX_UNROLLED_K = 16  # more slots than this run as a loop

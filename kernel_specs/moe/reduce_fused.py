@@ -23,11 +23,11 @@ Tunables: threads, rows per block, vector width in bytes, vectors per lane (unro
 
 import torch
 
-from kernel_specs.moe._fused_rows import SPACE, geometry, random_mapping
-from kernel_specs.moe._fused_rows import constraint as row_constraint
-from kernel_specs.moe._fused_rows import default as row_default
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit_kernels.moe._fused_rows import SPACE, geometry, random_mapping
+from tkjit_kernels.moe._fused_rows import constraint as row_constraint
+from tkjit_kernels.moe._fused_rows import default as row_default
 
 IN_DTYPES = ("bfloat16", "float32")
 ELEM = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}

@@ -8,8 +8,8 @@ import torch
 import tkjit
 import tkjit.compat.tile_kernels
 import tkjit.ops
-from kernel_specs.moe.expand_to_fused import _bits
 from tkjit.testing import check, check_configs
+from tkjit_kernels.moe.expand_to_fused import _bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 MOST = 24  # configs checked per shape: an even spread of the space, the default among them

@@ -7,10 +7,10 @@ import torch
 import tkjit
 import tkjit.compat.tile_kernels
 import tkjit.ops
-from kernel_specs.moe.get_fused_mapping import MAX_BLOCKS, upper_bound
 from tkjit.errors import ShapeError, TensorError
 from tkjit.pool import compile_many
 from tkjit.testing import check
+from tkjit_kernels.moe.get_fused_mapping import MAX_BLOCKS, upper_bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME = "get_fused_mapping"

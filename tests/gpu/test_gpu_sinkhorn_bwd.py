@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import tkjit
-from kernel_specs.mhc.sinkhorn import reference as fwd_reference
 from tkjit.arch import current_arch
 from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
+from tkjit_kernels.mhc.sinkhorn import reference as fwd_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 

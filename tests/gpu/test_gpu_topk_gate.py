@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import tkjit
-from kernel_specs.moe.topk_gate import layout
 from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
+from tkjit_kernels.moe.topk_gate import layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME = "topk_gate"

@@ -15,8 +15,8 @@ import torch
 
 import tkjit
 import tkjit.ops
-from kernel_specs.mhc.sinkhorn import reference as sinkhorn_reference
 from tkjit.testing import bit_equal
+from tkjit_kernels.mhc.sinkhorn import reference as sinkhorn_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 ROOT = Path(__file__).resolve().parents[2]

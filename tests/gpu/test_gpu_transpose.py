@@ -139,7 +139,7 @@ def _bits(t):
 
 def _wide(dtype, rows, width, seed, batch=None):
     """Fresh random bits (no NaN: the poison), on the GPU."""
-    from kernel_specs.transpose.transpose import make_inputs
+    from tkjit_kernels.transpose.transpose import make_inputs
 
     shape = {"dtype": dtype, "cols": width, "rows": rows, **({"batch": batch} if batch else {})}
     return make_inputs(shape, seed=seed)[0].cuda()
