@@ -27,7 +27,9 @@ import torch
 import tkjit
 import tkjit.compat.tile_kernels as tk
 import tkjit.torch_ops
-from tkjit.kernel import CompiledKernel
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from reference_kernels import serve_references  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # one cache: each C-target kernel compiles once
 
@@ -339,23 +341,7 @@ def test_device_queries_without_a_gpu_say_so(monkeypatch):
 def reference_kernels(monkeypatch):
     """The CUDA-only kernels as CPU CompiledKernels that write their reference (real shape checks and
     output allocation; the launch is torch)."""
-    real_get = tkjit.torch_ops.get
-
-    def get(name, shape, arch=None, config=None):
-        if name not in CUDA_ONLY:
-            return real_get(name, shape, arch=arch, config=config)
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape(shape)
-
-        def launch(x, *outs):
-            ref = spec.reference({**full, "num_tokens": x.shape[0]}, x)
-            for o, r in zip(outs, ref if isinstance(ref, tuple) else (ref,)):
-                o.copy_(r)
-
-        return CompiledKernel(spec, full, spec.default_config(full, "sm_90a"), "cpu", "0" * 40, "explicit",
-                              Path("."), launch)
-
-    monkeypatch.setattr(tkjit.torch_ops, "get", get)
+    serve_references(monkeypatch, CUDA_ONLY)
 
 
 def _sinkhorn_ref(x, repeat=10, eps=1e-6):  # TileKernels' sinkhorn_normalize_ref

@@ -1,6 +1,7 @@
 """expand_to_fused on the CPU: spec, layout rules, reference semantics, the torch op's plumbing (the kernel
 replaced by one writing the reference: it is CUDA-only), compat argument errors, an sm_90a cross-compile."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,13 @@ import tkjit.ops
 import tkjit.torch_ops
 from tkjit.compat.tile_kernels import moe as tk_moe
 from tkjit.errors import ConfigError, ShapeError, TensorError
-from tkjit.kernel import CompiledKernel
 from tkjit.registry import get_spec
 from tkjit.spec import validate
 from tkjit_kernels.moe import _fused_rows as rows
 from tkjit_kernels.moe import expand_to_fused as mod
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from reference_kernels import serve_references  # noqa: E402
 
 NAME = "expand_to_fused"
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -154,21 +157,7 @@ def test_compiles_for_sm90a(cache_dir):
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """expand_to_fused as a CPU CompiledKernel that writes its reference (real argument checks)."""
-    real_get = tkjit.torch_ops.get
-
-    def get(name, shape, arch=None, config=None):
-        if name != NAME:
-            return real_get(name, shape, arch=arch, config=config)
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape(shape)
-
-        def launch(x, pos, pte, out):
-            out.copy_(spec.reference(full, x, pos, pte))
-
-        return CompiledKernel(spec, full, spec.default_config(full, "sm_90a"), "cpu", "0" * 40, "explicit",
-                              Path("."), launch)
-
-    monkeypatch.setattr(tkjit.torch_ops, "get", get)
+    serve_references(monkeypatch, (NAME,))
 
 
 def _args(n=37, p=300, h=64, k=6, dtype="bfloat16", seed=0):

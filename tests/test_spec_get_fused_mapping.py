@@ -2,6 +2,7 @@
 against a model of the kernel's per-warp algorithm), an sm_90a cross-compile, the torch op, tkjit.ops and
 the compat entry point (the CUDA-only kernel runs as a CompiledKernel whose launch writes the reference)."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,12 @@ import tkjit
 import tkjit.ops
 import tkjit.torch_ops
 from tkjit.errors import ConfigError, ShapeError, TensorError
-from tkjit.kernel import CompiledKernel
 from tkjit.registry import get_spec
 from tkjit.spec import validate
 from tkjit_kernels.moe import get_fused_mapping as mod
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from reference_kernels import serve_references  # noqa: E402
 
 NAME = "get_fused_mapping"
 
@@ -225,27 +228,8 @@ def test_compiles_for_sm90a_as_a_cooperative_kernel(cache_dir):
 
 @pytest.fixture
 def reference_kernel(monkeypatch):
-    real_get = tkjit.torch_ops.get
-    calls = []
-
-    def get(name, shape, arch=None, config=None):
-        if name != NAME:
-            return real_get(name, shape, arch=arch, config=config)
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape(shape)
-
-        def launch(topk, ws, *outs):
-            calls.append(topk.shape)
-            ref = spec.reference({**full, "num_tokens": topk.shape[0], "num_expanded_tokens": outs[0].shape[0]},
-                                 topk, ws)
-            for o, r in zip(outs, ref):
-                o.copy_(r)
-
-        return CompiledKernel(spec, full, spec.default_config(full, "sm_90a"), "cpu", "0" * 40, "explicit",
-                              Path("."), launch)
-
-    monkeypatch.setattr(tkjit.torch_ops, "get", get)
-    return calls
+    """get_fused_mapping as a CPU CompiledKernel that writes its reference; the list of its launches."""
+    return serve_references(monkeypatch, (NAME,))
 
 
 def _topk(n=37, k=6, e=72, seed=0):

@@ -21,9 +21,11 @@ import tkjit
 import tkjit.autograd
 import tkjit.ops
 import tkjit.torch_ops
-from tkjit.kernel import CompiledKernel
 from tkjit.testing import bit_equal
 from tkjit_kernels.mhc.sinkhorn import reference as sinkhorn_reference
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from reference_kernels import serve_references  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("sinkhorn_fwd", "sinkhorn_bwd", "topk_gate", "per_token_cast", "per_token_cast_colmajor", "transpose")
@@ -45,23 +47,7 @@ def shared_cache(tmp_path_factory):
 def reference_kernels(monkeypatch):
     """The CUDA-only kernels as CPU CompiledKernels that write their reference (real shape checks and
     output allocation; the launch is torch)."""
-    real_get = tkjit.torch_ops.get
-
-    def get(name, shape, arch=None, config=None):
-        if name not in CUDA_ONLY:
-            return real_get(name, shape, arch=arch, config=config)
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape(shape)
-
-        def launch(x, *outs):
-            ref = spec.reference({**full, "num_tokens": x.shape[0]}, x)
-            for o, r in zip(outs, ref if isinstance(ref, tuple) else (ref,)):
-                o.copy_(r)
-
-        return CompiledKernel(spec, full, spec.default_config(full, "sm_90a"), "cpu", "0" * 40, "explicit",
-                              Path("."), launch)
-
-    monkeypatch.setattr(tkjit.torch_ops, "get", get)
+    serve_references(monkeypatch, CUDA_ONLY)
 
 
 def _inputs(name, tokens=37, *, seed=0, dtype=None, batched=False):
