@@ -18,7 +18,7 @@ from tkjit import envs
 from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed
 from tkjit.errors import CacheError, JitDisabledError
 from tkjit.fs import private_tempdir
-from tkjit.key import key_material, key_of, lacks_compiler
+from tkjit.key import key_material, key_of
 from tkjit.spec import KernelSpec
 
 log = logging.getLogger("tkjit.build")
@@ -48,15 +48,13 @@ def reset_cache() -> None:
 
 def entry_key(spec: KernelSpec, static: dict, cfg: dict, arch: str) -> tuple[str, dict]:
     material = key_material(spec.name, spec.source_hash, static, cfg, spec.pass_configs(cfg), arch,
-                            pinned=_pinned_toolchain(arch))
+                            pinned=lambda: _pinned_toolchain(arch))
     return key_of(material), material
 
 
-def _pinned_toolchain(arch: str) -> dict[str, str] | None:
-    """The cache's pinned compiler versions for arch, read once per process, and only on a host that
-    lacks the compiler (see key.toolchain)."""
-    if not lacks_compiler(arch):
-        return None
+def _pinned_toolchain(arch: str) -> dict[str, str]:
+    """The cache's pinned compiler versions for arch, read once per process (key.toolchain asks only on a
+    host that lacks the compiler)."""
     if arch not in _pinned:
         _pinned[arch] = cache().pinned_toolchain(arch)
     return _pinned[arch]

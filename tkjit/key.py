@@ -13,7 +13,7 @@ import platform
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,34 +92,32 @@ def host_cc_version() -> str:
 PINNABLE = ("nvcc", "tilelang")  # what a serving host may lack, and take from the cache's pinned record
 
 
-def toolchain(arch: str, pinned: Mapping[str, str] | None = None) -> dict[str, str]:
+def toolchain(arch: str, pinned: Callable[[], Mapping[str, str]] | None = None) -> dict[str, str]:
     """Compiler identities for arch: these version strings are part of every key.
 
-    pinned: versions recorded for arch by `tkjit bundle import` (Cache.pinned_toolchain). A GPU host that
-    only serves has no nvcc (or no TileLang): a version this host reads as "none" is then the build host's,
-    so the keys are the ones the bundle's entries were published under. A host with its own compiler keys
-    on its own versions (and compiles what they do not match)."""
+    pinned: gives the versions recorded for arch by `tkjit bundle import` (Cache.pinned_toolchain); asked
+    only when this host reads one of PINNABLE as "none". A GPU host that only serves has no nvcc (or no
+    TileLang): such a version is then the build host's, so the keys are the ones the bundle's entries
+    were published under. A host with its own compiler keys on its own versions (and compiles what they
+    do not match)."""
     tc = {"tilelang": tilelang_version(), "tkjit": __version__, "format": str(ARTIFACT_FORMAT)}
     if arch == "cpu":
         tc["cc"] = host_cc_version()
         tc["machine"] = platform.machine()
     else:
         tc["nvcc"] = nvcc_version()
-    if pinned:
-        for k in PINNABLE:
-            if tc.get(k) == "none" and isinstance(pinned.get(k), str):
-                tc[k] = pinned[k]
+    missing = [k for k in PINNABLE if tc.get(k) == "none"] if arch != "cpu" else []
+    if missing and pinned is not None:
+        record = pinned()
+        for k in missing:
+            if isinstance(record.get(k), str):
+                tc[k] = record[k]
     return tc
-
-
-def lacks_compiler(arch: str) -> bool:
-    """Whether this host reads a version of arch's toolchain as "none" (a pinned record may stand in)."""
-    return arch != "cpu" and (nvcc_version() == "none" or tilelang_version() == "none")
 
 
 def key_material(
     name: str, source_hash: str, static_shape: dict, config: dict, pass_configs: dict, arch: str,
-    pinned: Mapping[str, str] | None = None,
+    pinned: Callable[[], Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     return {
         "spec": name,
