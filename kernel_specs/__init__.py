@@ -14,6 +14,8 @@ INDEX = {
     "inplace_unique_group_indices": "tkjit_kernels.moe.inplace_unique_group_indices",
     "expand_to_fused": "tkjit_kernels.moe.expand_to_fused",
     "reduce_fused": "tkjit_kernels.moe.reduce_fused",
+    "expand_to_fused_with_sf": "tkjit_kernels.moe.expand_to_fused_with_sf",
+    "expand_to_fused_with_sf_colmajor": "tkjit_kernels.moe.expand_to_fused_with_sf",
     "group_count": "tkjit_kernels.moe.group_count",
     "aux_fi": "tkjit_kernels.moe.group_count",
     "topk_sum_and_topk_group_idx": "tkjit_kernels.moe.topk_sum_and_topk_group_idx",

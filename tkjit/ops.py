@@ -209,3 +209,25 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
         total = sum(counts)
         outs = (*(t[:total] for t in outs[:3]), *outs[3:])
     return (*outs, counts)
+
+
+def expand_to_fused_with_sf(x: tuple[torch.Tensor, torch.Tensor], num_per_channels: int,
+                            token_topk_to_pos: torch.Tensor, pos_to_expert: torch.Tensor,
+                            use_tma_aligned_col_major_sf: bool = False, *,
+                            config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = (data (num_tokens, hidden), sf (num_tokens, hidden_sf) float32 or packed-UE8M0 int32, row-major)
+    -> (out (num_expanded_tokens, hidden), out_sf (num_expanded_tokens, hidden_sf)): each token's data and scale
+    rows copied to every valid position token_topk_to_pos[t, k]; padding rows (pos_to_expert < 0) zero in both;
+    bit-exact (TileKernels' `moe.expand_to_fused_with_sf`). use_tma_aligned_col_major_sf: out_sf is the view
+    storage[:, :num_expanded_tokens].T of a (hidden_sf, align(num_expanded_tokens, 4)) column-major buffer
+    (strides (1, align(num_expanded_tokens, 4)); padding holds 0), as TileKernels returns it."""
+    data, sf = x
+    cfg = encode_config(config)
+    args = (data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, bool(use_tma_aligned_col_major_sf), cfg)
+    if _eager(data, sf, token_topk_to_pos, pos_to_expert):
+        out, out_sf = torch_ops.expand_to_fused_with_sf_impl(*args)
+    else:
+        out, out_sf = torch.ops.tkjit.expand_to_fused_with_sf.default(*args)
+    if use_tma_aligned_col_major_sf:
+        out_sf = out_sf[:, : pos_to_expert.shape[0]].T
+    return out, out_sf

@@ -641,3 +641,70 @@ def _(topk_idx, num_experts, num_expanded_tokens, alignment, config=None):
     pos = [topk_idx.new_empty((num_expanded_tokens,), dtype=i32) for _ in range(3)]
     return (*pos, topk_idx.new_empty(tuple(topk_idx.shape), dtype=i32),
             *[topk_idx.new_empty((num_experts,), dtype=i32) for _ in range(3)])
+
+
+# -- expand_to_fused_with_sf -------------------------------------------------------------------------
+
+_EXPAND_SF_SCHEMA = ("(Tensor x, Tensor x_sf, int num_per_channels, Tensor token_topk_to_pos, Tensor pos_to_expert, "
+                     "bool use_tma_aligned_col_major_sf=False, str? config=None) -> (Tensor, Tensor)")
+
+
+def _expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos) -> dict:
+    return {"hidden": int(x.shape[1]), "num_topk": int(token_topk_to_pos.shape[1]),
+            "num_per_channels": num_per_channels, "dtype": dtype_name(x.dtype), "sf_dtype": dtype_name(x_sf.dtype)}
+
+
+def _expand_sf_need(x, x_sf, token_topk_to_pos, pos_to_expert) -> None:
+    for t in (x, x_sf, token_topk_to_pos):
+        _need(t, (2,), "expand_to_fused_with_sf")
+    _need(pos_to_expert, (1,), "expand_to_fused_with_sf")
+
+
+def _sf_storage_cols(p: int) -> int:
+    return (p + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN
+
+
+def expand_to_fused_with_sf_impl(x, x_sf, num_per_channels, token_topk_to_pos, pos_to_expert,
+                                 use_tma_aligned_col_major_sf=False, config=None):
+    """x (num_tokens, hidden) and its scales x_sf (num_tokens, hidden_sf) float32 / packed-UE8M0 int32, row-major
+    -> (out (num_expanded_tokens, hidden), out_sf): both rows copied to each valid position, padding rows zero;
+    bit-exact. out_sf is (num_expanded_tokens, hidden_sf), or with use_tma_aligned_col_major_sf its column-major
+    storage (hidden_sf, align(num_expanded_tokens, 4)), padding columns zero."""
+    from tkjit_kernels.moe.expand_to_fused_with_sf import hidden_sf
+
+    _expand_sf_need(x, x_sf, token_topk_to_pos, pos_to_expert)
+    name = "expand_to_fused_with_sf_colmajor" if use_tma_aligned_col_major_sf else "expand_to_fused_with_sf"
+    (n, h), p = x.shape, pos_to_expert.shape[0]
+    check_indices(name, "token_topk_to_pos", token_topk_to_pos, p)
+    shape = {"num_tokens": max(1, n), "num_expanded_tokens": max(1, p),
+             **_expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos)}
+    if n == 0:  # nothing launches: every row is padding or unmapped, zero (TileKernels' reference)
+        from tkjit.registry import get_spec
+
+        sw = hidden_sf(get_spec(name).canonical_shape(shape))
+        if x_sf.shape[1] != sw:
+            raise TensorError(f"{name}: input x_sf has shape {tuple(x_sf.shape)}, axis 1 must be {sw}")
+        sf_shape = (sw, _sf_storage_cols(p)) if use_tma_aligned_col_major_sf else (p, sw)
+        return x.new_zeros((p, h)), x_sf.new_zeros(sf_shape)
+    kern = get(name, shape, arch=arch_of(x), config=_config(config))
+    return kern(x, x_sf, token_topk_to_pos, pos_to_expert)
+
+
+expand_to_fused_with_sf = torch.library.custom_op(
+    "tkjit::expand_to_fused_with_sf", mutates_args=(), schema=_EXPAND_SF_SCHEMA
+)(expand_to_fused_with_sf_impl)
+
+
+@expand_to_fused_with_sf.register_fake
+def _(x, x_sf, num_per_channels, token_topk_to_pos, pos_to_expert, use_tma_aligned_col_major_sf=False,
+      config=None):
+    _expand_sf_need(x, x_sf, token_topk_to_pos, pos_to_expert)
+    name = "expand_to_fused_with_sf_colmajor" if use_tma_aligned_col_major_sf else "expand_to_fused_with_sf"
+    _fake_check(name, _expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos),
+                x, x_sf, token_topk_to_pos, pos_to_expert)
+    torch._check(token_topk_to_pos.shape[0] == x.shape[0],
+                 lambda: "expand_to_fused_with_sf: x and token_topk_to_pos differ in num_tokens")
+    torch._check(x_sf.shape[0] == x.shape[0], lambda: "expand_to_fused_with_sf: x and x_sf differ in num_tokens")
+    p, sw = pos_to_expert.shape[0], x_sf.shape[1]
+    sf_shape = (sw, _sf_storage_cols(p)) if use_tma_aligned_col_major_sf else (p, sw)
+    return x.new_empty((p, x.shape[1])), x_sf.new_empty(sf_shape)

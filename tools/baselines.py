@@ -411,3 +411,59 @@ SHAPES.update({
     ] + [{"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": 7168, "num_topk": 8, "e4m3_out": True,
           "has_x_sf": True, "has_sf": True}],
 })
+
+
+# -- expand_to_fused_with_sf (row-major and TMA-aligned column-major scales) --------------------------
+
+def _expand_sf_torch(col_major):
+    def make(shape):
+        def f(x, x_sf, pos, pos_to_expert):
+            pos = _in_range(pos, pos_to_expert.shape[0])
+            p, k = pos_to_expert.shape[0], pos.shape[1]
+            flat = pos.reshape(-1).long()
+            ok = flat >= 0
+            out = torch.zeros((p, x.shape[1]), dtype=x.dtype, device=x.device)
+            out[flat[ok]] = x.repeat_interleave(k, 0)[ok]
+            sw = x_sf.shape[1]
+            if col_major:  # TileKernels' reference: the .T view of a (hidden_sf, align(p, 4)) buffer
+                out_sf = torch.zeros((sw, -(-p // 4) * 4), dtype=x_sf.dtype, device=x.device)[:, :p].T
+            else:
+                out_sf = torch.zeros((p, sw), dtype=x_sf.dtype, device=x.device)
+            out_sf[flat[ok]] = x_sf.repeat_interleave(k, 0)[ok]
+            return out, out_sf
+
+        return f
+
+    return make
+
+
+def _expand_sf_tk(col_major):
+    def make(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.moe import expand_to_fused_with_sf
+
+        x, x_sf, pos, pos_to_expert = inputs
+        pos = _in_range(pos, pos_to_expert.shape[0])
+        npc = shape["num_per_channels"]
+        return lambda: expand_to_fused_with_sf((x, x_sf), npc, pos, pos_to_expert, col_major)
+
+    return make
+
+
+TORCH.update({"expand_to_fused_with_sf": _expand_sf_torch(False),
+              "expand_to_fused_with_sf_colmajor": _expand_sf_torch(True)})
+TILE_KERNELS.update({"expand_to_fused_with_sf": _expand_sf_tk(False),
+                     "expand_to_fused_with_sf_colmajor": _expand_sf_tk(True)})
+SHAPES.update({
+    "expand_to_fused_with_sf": [
+        {"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": h, "num_topk": 8,
+         "num_per_channels": 128, "dtype": "float8_e4m3fn", "sf_dtype": "float32"} for h in (7168, 4096)
+    ],
+    "expand_to_fused_with_sf_colmajor": [
+        {"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": 7168, "num_topk": 8,
+         "num_per_channels": 128, "dtype": "float8_e4m3fn", "sf_dtype": "float32"},
+        {"num_tokens": 8192, "num_expanded_tokens": _FUSED_ROWS, "hidden": 7168, "num_topk": 8,
+         "num_per_channels": 32, "dtype": "float8_e4m3fn", "sf_dtype": "int32"},
+    ],
+})

@@ -1,6 +1,7 @@
 """TileKernels' `moe`: MoE routing kernels. tkjit serves `topk_gate`, `normalize_weight`,
 `mask_indices_by_tp`, `inplace_unique_group_indices`, `group_count`, `aux_fi`,
-`topk_sum_and_topk_group_idx`, `get_fused_mapping`, `expand_to_fused`, `reduce_fused`;
+`topk_sum_and_topk_group_idx`, `get_fused_mapping`, `expand_to_fused`, `expand_to_fused_with_sf`,
+`reduce_fused`;
 the others raise
 NotImplementedError naming them."""
 
@@ -177,7 +178,52 @@ def expand_to_fused_with_sf(
     pos_to_expert: torch.Tensor,
     use_tma_aligned_col_major_sf: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    raise missing("moe.expand_to_fused_with_sf", FAMILY)
+    """x = (data (num_tokens, hidden), sf (num_tokens, hidden_sf)) and its scales copied into the fused
+    layout: (out (num_expanded_tokens, hidden), out_sf (num_expanded_tokens, hidden_sf)), row t's data and
+    scales to each position token_topk_to_pos[t, k] >= 0; padding rows (pos_to_expert < 0) zero in both.
+    Bit-identical to TileKernels. As there: sf is float32, or int32 (four packed UE8M0 exponents, only with
+    use_tma_aligned_col_major_sf), row-major and contiguous, hidden_sf = ceil(hidden / num_per_channels)
+    (then / 4 for int32, rounded up), num_per_channels 32 or 128. use_tma_aligned_col_major_sf: out_sf is
+    the view [:, :num_expanded_tokens].T of a (hidden_sf, align(num_expanded_tokens, 4)) buffer (padding
+    columns hold 0; TileKernels leaves them unwritten)."""
+    fn = "moe.expand_to_fused_with_sf"
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise TensorError(f"tile_kernels.{fn}: x must be a QuantTensor (data, sf) pair, got {type(x).__name__}")
+    data, sf = x
+    tensor(fn, "x[0] (data)", data, (2,))
+    tensor(fn, "x[1] (sf)", sf, (2,), (torch.float32, torch.int32))
+    tensor(fn, "token_topk_to_pos", token_topk_to_pos, (2,), (torch.int32,))
+    tensor(fn, "pos_to_expert", pos_to_expert, (1,), (torch.int32,))
+    if not all(t.is_contiguous() for t in (data, sf, token_topk_to_pos, pos_to_expert)):
+        raise TensorError(f"tile_kernels.{fn}: x (data and sf), token_topk_to_pos and pos_to_expert must be "
+                          "contiguous (sf row-major, whatever use_tma_aligned_col_major_sf)")
+    npc = as_int(fn, "num_per_channels", num_per_channels)
+    if npc not in (32, 128):
+        raise ShapeError(f"tile_kernels.{fn}: num_per_channels must be 32 or 128, got {npc}")
+    col_major = bool(use_tma_aligned_col_major_sf)
+    num_tokens, hidden = data.shape
+    for name, t in (("token_topk_to_pos", token_topk_to_pos), ("x[1] (sf)", sf)):
+        if t.shape[0] != num_tokens:
+            raise TensorError(f"tile_kernels.{fn}: {name} has {t.shape[0]} rows, x[0] has {num_tokens} tokens")
+    packed = sf.dtype == torch.int32
+    if packed and not col_major:
+        raise ShapeError(f"tile_kernels.{fn}: int32 (packed UE8M0) sf needs use_tma_aligned_col_major_sf=True")
+    hidden_sf = -(-hidden // npc)
+    hidden_sf = -(-hidden_sf // 4) if packed else hidden_sf
+    if sf.shape[1] != hidden_sf:
+        raise TensorError(f"tile_kernels.{fn}: x[1] (sf) has {sf.shape[1]} columns, expected {hidden_sf} "
+                          f"(ceil(hidden={hidden} / num_per_channels={npc}){' / 4, packed' if packed else ''})")
+    if num_tokens:
+        from tkjit.kernel import dtype_name
+
+        require_kernel(fn, FAMILY, "expand_to_fused_with_sf_colmajor" if col_major else "expand_to_fused_with_sf",
+                       {"hidden": hidden, "num_topk": token_topk_to_pos.shape[1], "num_per_channels": npc,
+                        "dtype": dtype_name(data.dtype), "sf_dtype": dtype_name(sf.dtype)},
+                       {"hidden": "hidden (x[0].shape[1])", "num_topk": "num_topk (token_topk_to_pos.shape[1])",
+                        "dtype": "x[0].dtype", "sf_dtype": "x[1].dtype", "num_tokens": "num_tokens",
+                        "num_expanded_tokens": "num_expanded_tokens (pos_to_expert.shape[0])"},
+                       {"num_tokens": num_tokens, "num_expanded_tokens": max(1, pos_to_expert.shape[0])})
+    return ops.expand_to_fused_with_sf((data, sf), npc, token_topk_to_pos, pos_to_expert, col_major)
 
 
 def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -> None:
