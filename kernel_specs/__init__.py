@@ -19,6 +19,7 @@ INDEX = {
     "group_count": "tkjit_kernels.moe.group_count",
     "aux_fi": "tkjit_kernels.moe.group_count",
     "topk_sum_and_topk_group_idx": "tkjit_kernels.moe.topk_sum_and_topk_group_idx",
+    "top2_sum_gate": "tkjit_kernels.moe.top2_sum_gate",
     "per_token_cast": "tkjit_kernels.quant.per_token_cast",
     "per_token_cast_colmajor": "tkjit_kernels.quant.per_token_cast",
     "transpose": "tkjit_kernels.transpose.transpose",

@@ -42,7 +42,7 @@ SERVED = {
     "": {"get_num_sms", "get_device_num_sms", "set_num_sms"},
     "moe": {"get_fused_mapping", "topk_gate", "normalize_weight", "mask_indices_by_tp", "inplace_unique_group_indices",
             "group_count", "aux_fi", "topk_sum_and_topk_group_idx", "expand_to_fused", "reduce_fused",
-            "expand_to_fused_with_sf"},
+            "expand_to_fused_with_sf", "top2_sum_gate"},
     "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize"},

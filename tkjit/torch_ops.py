@@ -9,6 +9,8 @@
     torch.ops.tkjit.normalize_weight(topk_weights, config=None)                             # (denominator, normalized)
     torch.ops.tkjit.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks, config=None)
     torch.ops.tkjit.inplace_unique_group_indices(group_indices, num_groups, config=None)   # in place, None
+    torch.ops.tkjit.top2_sum_gate(logits, bias, num_topk, ..., scoring_func, mask=None, to_physical_map=None,
+                                  logical_count=None, config=None)                 # (topk_idx, topk_weights)
 
 Each op's real implementation is `tkjit.get(...)(...)`: the shape is read off the tensors, the kernel
 comes from the memo, the disk cache or a compile. Its fake implementation computes the outputs'
@@ -708,3 +710,99 @@ def _(x, x_sf, num_per_channels, token_topk_to_pos, pos_to_expert, use_tma_align
     p, sw = pos_to_expert.shape[0], x_sf.shape[1]
     sf_shape = (sw, _sf_storage_cols(p)) if use_tma_aligned_col_major_sf else (p, sw)
     return x.new_empty((p, x.shape[1])), x_sf.new_empty(sf_shape)
+
+
+# -- top2_sum_gate -----------------------------------------------------------------------------------
+
+_TOP2_SCHEMA = (
+    "(Tensor logits, Tensor bias, int num_topk, int num_topk_groups, int num_groups, bool use_shared_as_routed, "
+    "int num_shared_experts, float routed_scaling_factor, int ep_rank, int num_ep_ranks, int tp_rank, "
+    "int num_tp_ranks, str scoring_func, Tensor? mask=None, Tensor? to_physical_map=None, "
+    "Tensor? logical_count=None, str? config=None) -> (Tensor, Tensor)"
+)
+
+
+def top2_sum_gate_setup(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
+                        num_shared_experts, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask,
+                        to_physical_map, logical_count) -> tuple[dict, tuple[int, int, int, int]]:
+    """(static shape, (ep_rank, per_gpu, tp_rank, num_tp_ranks)), or ShapeError/TensorError naming the
+    argument: TileKernels' asserts (shared experts, scoring function, map shapes) and sizes that would
+    divide by zero."""
+    op = "top2_sum_gate"
+    _need(logits, (2,), op)
+    _need(bias, (1,), op)
+    e = int(logits.shape[1])
+    if scoring_func not in ("sigmoid", "sqrtsoftplus", "softmax"):
+        raise ShapeError(f"{op}: scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax', got {scoring_func!r}")
+    s = num_shared_experts if use_shared_as_routed else 0
+    if use_shared_as_routed:
+        if s not in (1, 2):
+            raise ShapeError(f"{op}: num_shared_experts ({s}) must be 1 or 2 with use_shared_as_routed")
+        if num_topk % s or e % (num_topk // s):
+            raise ShapeError(f"{op}: num_topk ({num_topk}) must be a multiple of num_shared_experts ({s}) and "
+                             f"num_experts ({e}) of num_topk // num_shared_experts")
+    if (to_physical_map is None) != (logical_count is None):
+        raise TensorError(f"{op}: to_physical_map and logical_count must be given together")
+    if mask is not None and (mask.dtype != torch.bool or mask.numel() != logits.shape[0]):
+        raise TensorError(f"{op}: mask must be a torch.bool tensor of num_tokens ({logits.shape[0]}) entries, got "
+                          f"{mask.dtype} {tuple(mask.shape)}")
+    d = 1
+    if to_physical_map is not None:
+        _need(to_physical_map, (2,), op)
+        _need(logical_count, (1,), op)
+        d = int(to_physical_map.shape[1])
+        if d - 1 < s:
+            raise ShapeError(f"{op}: to_physical_map has {d - 1} extra experts, fewer than num_shared_experts ({s})")
+    elif s:
+        raise ShapeError(f"{op}: num_shared_experts ({s}) needs to_physical_map (its extra experts hold them)")
+    if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or not 0 <= ep_rank < 1 << 31:
+        raise ShapeError(f"{op}: ep_rank must be an int >= 0, got {ep_rank!r}")
+    per_gpu, tp_rank, num_tp_ranks = tp_scalars(op, e + d - 1, num_ep_ranks, tp_rank, num_tp_ranks)
+    shape = {"num_experts": e, "num_topk": num_topk, "num_groups": num_groups, "num_topk_groups": num_topk_groups,
+             "num_shared_experts": s, "scoring_func": scoring_func, "has_mask": mask is not None,
+             "has_map": to_physical_map is not None, "num_duplicates": d}
+    return shape, (ep_rank, per_gpu, tp_rank, num_tp_ranks)
+
+
+def _top2_tensors(logits, bias, mask, to_physical_map, logical_count):
+    """The kernel's tensors: the bool mask goes in as int8 (same bytes; the C target has no bool buffers)."""
+    out = [logits, bias]
+    if mask is not None:
+        out.append(mask.reshape(-1).contiguous().view(torch.int8))
+    if to_physical_map is not None:
+        out += [to_physical_map, logical_count]
+    return out
+
+
+def top2_sum_gate_impl(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
+                       routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
+                       to_physical_map=None, logical_count=None, config=None):
+    """DeepSeek-V3 grouped routing: float32 logits (num_tokens, num_experts) and bias -> (topk_idx int64,
+    topk_weights float32), both (num_tokens, num_topk + shared experts); TileKernels' `top2_sum_gate`."""
+    shape, (ep, per_gpu, tp, tps) = top2_sum_gate_setup(
+        logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, ep_rank,
+        num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map, logical_count)
+    if logical_count is not None:
+        check_indices("top2_sum_gate", "logical_count", logical_count, shape["num_duplicates"] + 1, lo=1)
+    kern = get("top2_sum_gate", {"num_tokens": max(1, logits.shape[0]), **shape}, arch=arch_of(logits),
+               config=_config(config))
+    idx, w = kern(*_top2_tensors(logits, bias, mask, to_physical_map, logical_count), float(routed_scaling_factor),
+                  ep, per_gpu, tp, tps)
+    return idx, w
+
+
+top2_sum_gate = torch.library.custom_op("tkjit::top2_sum_gate", mutates_args=(), schema=_TOP2_SCHEMA)(
+    top2_sum_gate_impl)
+
+
+@top2_sum_gate.register_fake
+def _(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
+      routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
+      to_physical_map=None, logical_count=None, config=None):
+    shape, _ = top2_sum_gate_setup(
+        logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, ep_rank,
+        num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map, logical_count)
+    _fake_check("top2_sum_gate", shape, *_top2_tensors(logits, bias, mask, to_physical_map, logical_count))
+    p = num_topk + shape["num_shared_experts"]
+    return (logits.new_empty((logits.shape[0], p), dtype=torch.int64),
+            logits.new_empty((logits.shape[0], p), dtype=torch.float32))

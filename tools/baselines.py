@@ -467,3 +467,30 @@ SHAPES.update({
          "num_per_channels": 32, "dtype": "float8_e4m3fn", "sf_dtype": "int32"},
     ],
 })
+
+
+# -- top2_sum_gate -----------------------------------------------------------------------------------
+
+def _top2_sum_gate_torch(shape):
+    from tkjit_kernels.moe.top2_sum_gate import reference
+
+    return lambda *inputs: reference(shape, *inputs)  # plain torch eager (sort-based selection)
+
+
+def _top2_sum_gate_tk(shape, inputs):
+    if _tile_kernels() is None or shape.get("has_map"):
+        return None
+    from tile_kernels.moe import top2_sum_gate
+
+    logits, bias, rsf, ep_rank, per_gpu, tp_rank, num_tp_ranks = inputs
+    num_ep_ranks = shape["num_experts"] // per_gpu
+    return lambda: top2_sum_gate(logits, bias, shape["num_topk"], shape["num_topk_groups"], shape["num_groups"],
+                                 False, 0, rsf, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, shape["scoring_func"])
+
+
+TORCH["top2_sum_gate"] = _top2_sum_gate_torch
+TILE_KERNELS["top2_sum_gate"] = _top2_sum_gate_tk
+SHAPES["top2_sum_gate"] = [
+    {"num_tokens": n, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4} for n in (8192, 65536)
+] + [{"num_tokens": 8192, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4,
+      "scoring_func": "softmax"}]

@@ -1,7 +1,7 @@
 """TileKernels' `moe`: MoE routing kernels. tkjit serves `topk_gate`, `normalize_weight`,
 `mask_indices_by_tp`, `inplace_unique_group_indices`, `group_count`, `aux_fi`,
 `topk_sum_and_topk_group_idx`, `get_fused_mapping`, `expand_to_fused`, `expand_to_fused_with_sf`,
-`reduce_fused`;
+`reduce_fused`, `top2_sum_gate`;
 the others raise
 NotImplementedError naming them."""
 
@@ -369,7 +369,105 @@ def top2_sum_gate(
     logical_count: torch.Tensor | None = None,
     unmapped_topk_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    raise missing("moe.top2_sum_gate", FAMILY)
+    """DeepSeek-V3-style grouped routing: (topk_idx int64, topk_weights float32), both (num_tokens,
+    num_topk + shared experts). Scores (sigmoid / sqrtsoftplus / softmax), bias-steered selection of the
+    num_topk_groups groups with the largest top-2 sums and the num_topk best experts in them (ties to the
+    smaller index), weights normalised over the selected scores times routed_scaling_factor, shared experts
+    (weight 1), replica mapping through to_physical_map / logical_count, EP/TP remap (-1: another rank).
+
+    Bit-identical to TileKernels' kernel (its softmax sum order, its weight sum from 1e-20 in slot order).
+    mask (bool, num_tokens): False -> that token's row is -1 / 0.0, as TileKernels. fix_routing_mask and
+    unmapped_topk_idx are not supported yet (NotImplementedError naming them).
+    Non-finite logits are not supported (TileKernels asserts on them); outputs then stay in bounds.
+    A logical_count entry outside [1, num_extra_experts + 1] gives -1 (TileKernels reads out of bounds).
+    """
+    fn = "moe.top2_sum_gate"
+    tensor(fn, "logits", logits, (2,), (torch.float32,))
+    tensor(fn, "bias", bias, (1,), (torch.float32,))
+    if not logits.is_contiguous() or not bias.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: logits and bias must be contiguous")
+    num_tokens, e = logits.shape
+    if bias.shape[0] != e:
+        raise TensorError(f"tile_kernels.{fn}: bias has {bias.shape[0]} entries, logits has {e} experts")
+    if mask is not None:  # any shape with num_tokens entries, as TileKernels asserts
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TensorError(f"tile_kernels.{fn}: mask must be a torch.bool tensor, got "
+                              f"{getattr(mask, 'dtype', type(mask).__name__)}")
+        if mask.numel() != num_tokens:
+            raise TensorError(f"tile_kernels.{fn}: mask has {mask.numel()} entries, logits has {num_tokens} tokens")
+    for name, t in (("fix_routing_mask", fix_routing_mask), ("unmapped_topk_idx", unmapped_topk_idx)):
+        if t is not None:
+            raise missing(fn, FAMILY, name)
+    if (to_physical_map is None) != (logical_count is None):
+        raise TensorError(f"tile_kernels.{fn}: to_physical_map and logical_count must be given together")
+    k = as_int(fn, "num_topk", num_topk)
+    kg = as_int(fn, "num_topk_groups", num_topk_groups)
+    g = as_int(fn, "num_groups", num_groups)
+    s = as_int(fn, "num_shared_experts", num_shared_experts)
+    ints = {name: as_int(fn, name, v) for name, v in (("ep_rank", ep_rank), ("num_ep_ranks", num_ep_ranks),
+                                                      ("tp_rank", tp_rank), ("num_tp_ranks", num_tp_ranks))}
+    if not isinstance(use_shared_as_routed, bool):
+        raise ShapeError(f"tile_kernels.{fn}: use_shared_as_routed must be a bool, got {use_shared_as_routed!r}")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise ShapeError(f"tile_kernels.{fn}: routed_scaling_factor must be a float, got {routed_scaling_factor!r}")
+    if not isinstance(scoring_func, str) or scoring_func.lower() not in ("sigmoid", "sqrtsoftplus", "softmax",
+                                                                         "identity"):
+        raise ShapeError(f"tile_kernels.{fn}: scoring_func must be 'sigmoid', 'sqrtsoftplus' or 'softmax', "
+                         f"got {scoring_func!r}")
+    scoring = scoring_func.lower()  # TileKernels' ScoringFunc.from_str takes any case
+    if scoring == "identity":
+        raise ShapeError(f"tile_kernels.{fn}: scoring_func 'identity' is not supported for top-2 sum routing "
+                         "(as TileKernels)")
+    if (g == 0) != (kg == 0):
+        raise ShapeError(f"tile_kernels.{fn}: num_groups ({g}) and num_topk_groups ({kg}) must be both zero or "
+                         "both non-zero")
+    if not 1 <= k <= e:
+        raise ShapeError(f"tile_kernels.{fn}: num_topk ({k}) must be in [1, num_experts (logits.shape[1] = {e})]")
+    if not 0 <= kg <= g:
+        raise ShapeError(f"tile_kernels.{fn}: num_topk_groups ({kg}) must be in [0, num_groups ({g})]")
+    if g and e % g:
+        raise ShapeError(f"tile_kernels.{fn}: num_experts (logits.shape[1] = {e}) must be divisible by "
+                         f"num_groups ({g})")
+    if not use_shared_as_routed:
+        s = 0
+    elif s not in (1, 2) or k % s or e % (k // s):
+        raise ShapeError(f"tile_kernels.{fn}: with use_shared_as_routed, num_shared_experts ({s}) must be 1 or 2, "
+                         f"num_topk ({k}) a multiple of it and num_experts ({e}) of num_topk // num_shared_experts")
+    d = 1
+    if to_physical_map is not None:
+        tensor(fn, "to_physical_map", to_physical_map, (2,), (torch.int32,))
+        tensor(fn, "logical_count", logical_count, (1,), (torch.int32,))
+        if not to_physical_map.is_contiguous() or not logical_count.is_contiguous():
+            raise TensorError(f"tile_kernels.{fn}: to_physical_map and logical_count must be contiguous")
+        if to_physical_map.shape[0] != e + s or logical_count.shape[0] != e + s:
+            raise TensorError(f"tile_kernels.{fn}: to_physical_map and logical_count need num_experts + "
+                              f"num_shared_experts = {e + s} rows, got {to_physical_map.shape[0]} and "
+                              f"{logical_count.shape[0]}")
+        d = to_physical_map.shape[1]
+    if s > d - 1:
+        raise ShapeError(f"tile_kernels.{fn}: num_shared_experts ({s}) must be <= num_extra_experts "
+                         f"(to_physical_map.shape[1] - 1 = {d - 1})")
+    if ints["ep_rank"] < 0:
+        raise ShapeError(f"tile_kernels.{fn}: ep_rank ({ints['ep_rank']}) must be >= 0")
+    try:
+        tp_scalars(fn, e + d - 1, ints["num_ep_ranks"], ints["tp_rank"], ints["num_tp_ranks"])
+    except ShapeError as err:
+        raise ShapeError(f"tile_kernels.{err}") from None
+    if num_tokens == 0:  # as TileKernels: nothing to launch
+        return (torch.empty((0, k + s), dtype=torch.int64, device=logits.device),
+                torch.empty((0, k + s), dtype=torch.float32, device=logits.device))
+    require_kernel(fn, FAMILY, "top2_sum_gate",
+                   {"num_experts": e, "num_topk": k, "num_groups": g, "num_topk_groups": kg, "num_shared_experts": s,
+                    "scoring_func": scoring, "has_mask": mask is not None, "has_map": to_physical_map is not None,
+                    "num_duplicates": d},
+                   {"num_experts": "num_experts (logits.shape[1])", "num_topk": "num_topk", "num_groups": "num_groups",
+                    "num_topk_groups": "num_topk_groups", "num_shared_experts": "num_shared_experts",
+                    "scoring_func": "scoring_func", "has_mask": "mask", "has_map": "to_physical_map",
+                    "num_duplicates": "num_extra_experts + 1 (to_physical_map.shape[1])", "num_tokens": "num_tokens"},
+                   {"num_tokens": num_tokens})
+    return ops.top2_sum_gate(logits, bias, k, kg, g, use_shared_as_routed, s, float(routed_scaling_factor),
+                             ints["ep_rank"], ints["num_ep_ranks"], ints["tp_rank"], ints["num_tp_ranks"], scoring,
+                             mask, to_physical_map, logical_count)
 
 
 def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""top2_sum_gate on the GPU: every config of the space against the exact reference (odd seeds: ties, signed
+zeros, rows of one value, out-of-range replica counts), the real tile_kernels package as oracle (its kernel:
+bit-exact; its torch reference: indices exact, weights to float-sum order), 0 tokens, the op (opcheck,
+torch.compile, CUDA graphs) and the compat entry point."""
+
+import pytest
+import torch
+
+import tkjit
+import tkjit.ops
+from tkjit.compat.tile_kernels import moe as tk_moe
+from tkjit.testing import check, check_configs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
+NAME = "top2_sum_gate"
+MOST = 24
+TOKENS = (1, 7, 4001, 65536)
+
+
+def _shape(e=256, k=8, g=8, kg=4, f="sigmoid", s=0, d=1, n=4001, m=False):
+    return {"num_tokens": n, "num_experts": e, "num_topk": k, "num_groups": g, "num_topk_groups": kg,
+            "scoring_func": f, "num_shared_experts": s, "has_map": s > 0 or d > 1, "num_duplicates": d,
+            "has_mask": m}
+
+
+STATIC = [dict(), dict(f="softmax"), dict(f="sqrtsoftplus", k=9), dict(e=72, k=6, g=0, kg=0, f="softmax"),
+          dict(e=72, k=8, g=8, kg=4), dict(e=384, k=8, g=8, kg=8), dict(e=512, k=30, g=16, kg=4, s=2, d=3),
+          dict(s=1, d=9, m=True), dict(e=64, k=2, g=8, kg=1), dict(m=True, f="softmax")]
+
+
+def test_default_config_every_shape():
+    for kw in STATIC:
+        kern = tkjit.get(NAME, _shape(**kw))
+        for n in TOKENS:
+            for seed in (0, 1):
+                assert check(kern, _shape(**kw, n=n), seed=seed) is None, (kw, n, seed)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(e=72, k=6, g=0, kg=0, f="softmax", s=1, d=2, m=True)])
+def test_every_config_in_the_space(kw):
+    sizes = [{"num_tokens": n} for n in (1, 7, 4001)]
+    failures = check_configs(NAME, [_shape(**kw)], sizes, most=MOST)
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+
+
+def test_zero_tokens():
+    kern = tkjit.get(NAME, _shape())
+    idx, w = kern(torch.empty(0, 256, device="cuda"), torch.zeros(256, device="cuda"), 2.5, 0, 32, 0, 1)
+    assert idx.shape == (0, 8) and idx.dtype == torch.int64 and w.shape == (0, 8) and w.dtype == torch.float32
+
+
+def _tk_inputs(n, e, seed, coarse):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, e, generator=g) * 2
+    b = torch.randn(e, generator=g) * 0.1
+    if coarse:  # equal keys, equal group sums
+        x, b = (x * 2).round() / 2, (b * 16).round() / 16
+    return x.cuda(), b.cuda()
+
+
+# (experts, k, groups, top groups, scoring, shared experts, map columns)
+TK_CASES = [(256, 8, 8, 4, "sigmoid", 0, 1), (256, 8, 8, 4, "softmax", 0, 1), (256, 6, 8, 4, "sqrtsoftplus", 0, 1),
+            (256, 8, 8, 4, "sigmoid", 1, 9), (256, 8, 8, 4, "sigmoid", 2, 3), (72, 2, 0, 0, "sigmoid", 0, 1),
+            (72, 6, 8, 4, "softmax", 0, 1), (72, 9, 8, 4, "sigmoid", 0, 1), (72, 8, 0, 0, "softmax", 0, 1)]
+
+
+@pytest.mark.parametrize("e,k,g,kg,f,s,d", TK_CASES)
+def test_against_tile_kernels(e, k, g, kg, f, s, d):
+    tk = pytest.importorskip("tile_kernels")
+    from tile_kernels.torch import top2_sum_gate as tk_ref
+
+    for n, seed, coarse in ((4001, 0, False), (4001, 1, True), (0, 2, False)):
+        x, b = _tk_inputs(n, e, seed, coarse)
+        maps = {}
+        if d > 1:
+            gen = torch.Generator().manual_seed(seed)
+            maps = {"to_physical_map": torch.randint(0, e + d - 1, (e + s, d), generator=gen, dtype=torch.int32).cuda(),
+                    "logical_count": torch.randint(1, d + 1, (e + s,), generator=gen, dtype=torch.int32).cuda()}
+        if seed == 1:  # TileKernels' mask: False -> not routed
+            maps["mask"] = torch.rand(n, generator=torch.Generator().manual_seed(9)).cuda() < 0.7
+        for num_ep, tp_rank, num_tp in ((8, 0, 1), (8, 1, 2), (64 if e >= 64 else 4, 0, 1)):
+            args = (x, b, k, kg, g, s > 0, s, 2.5, 3, num_ep, tp_rank, num_tp, f)
+            got = tk_moe.top2_sum_gate(*args, **maps)
+            want = tk.moe.top2_sum_gate(*args, **maps)
+            assert torch.equal(got[0], want[0]), (n, seed, num_ep, tp_rank)
+            assert torch.equal(got[1], want[1]), (n, seed, num_ep, tp_rank)  # bit-exact with its kernel
+            ref = tk_ref(*args, **maps)
+            assert torch.equal(got[0], ref[0])
+            torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=0)
+
+
+def test_op_opcheck_compile_and_cuda_graph():
+    x, b = _tk_inputs(4001, 256, 0, False)
+    args = (8, 4, 8, False, 0, 2.5, 0, 8, 1, 2, "sigmoid")
+    torch.library.opcheck(torch.ops.tkjit.top2_sum_gate.default, (x, b, *args))
+    fn = lambda s, t: tkjit.ops.top2_sum_gate(s, t, *args)  # noqa: E731
+    eager = fn(x, b)
+    compiled = torch.compile(fn, fullgraph=True)(x, b)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(x, b)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    again = fn(x, b)
+    assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
+
+
+def test_compat_and_bad_input():
+    from tkjit.errors import ShapeError, TensorError
+
+    x, b = _tk_inputs(64, 256, 0, False)
+    with pytest.raises(TensorError, match="bias must be torch.float32"):
+        tk_moe.top2_sum_gate(x, b.half(), 8, 4, 8, False, 0, 1.0, 0, 8, 0, 1, "sigmoid")
+    with pytest.raises(ShapeError, match="num_shared_experts"):
+        tk_moe.top2_sum_gate(x, b, 8, 4, 8, True, 1, 1.0, 0, 8, 0, 1, "sigmoid")
+    with pytest.raises(NotImplementedError, match="fix_routing_mask"):
+        tk_moe.top2_sum_gate(x, b, 8, 4, 8, False, 0, 1.0, 0, 8, 0, 1, "sigmoid",
+                             fix_routing_mask=torch.ones(64, dtype=torch.bool, device="cuda"),
+                             unmapped_topk_idx=torch.zeros(64, 8, dtype=torch.int64, device="cuda"))
+    kern = tkjit.get(NAME, _shape(n=64))
+    with pytest.raises(TensorError, match="axis 0 must be 256"):
+        kern(x, b[:128].contiguous(), 1.0, 0, 32, 0, 1)
+    # Replica counts outside [1, num_duplicates] give -1, never a read out of bounds.
+    pmap = torch.zeros(257, 9, dtype=torch.int32, device="cuda")
+    cnt = torch.full((257,), 100, dtype=torch.int32, device="cuda")
+    idx, _ = tk_moe.top2_sum_gate(x, b, 8, 4, 8, True, 1, 1.0, 0, 8, 0, 1, "sigmoid", to_physical_map=pmap,
+                               logical_count=cnt)
+    assert (idx == -1).all()

@@ -1,0 +1,350 @@
+"""top2_sum_gate spec on the CPU: shapes, configs, the reference against an independent model and against
+TileKernels' torch reference semantics, C-target runs (layout=thread), an sm_90a cross-compile (layout=warp),
+the torch op and the compat entry point."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tkjit
+import tkjit.ops
+from tkjit.compat.tile_kernels import moe as tk_moe
+from tkjit.errors import ConfigError, ShapeError, TensorError
+from tkjit.registry import get_spec
+from tkjit.spec import validate
+from tkjit.testing import check
+
+NAME = "top2_sum_gate"
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+THREAD = {"layout": "thread", "threads": 32, "tokens_per_warp": 1, "reduce": "shfl"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TKJIT_CACHE_DIR", str(tmp_path_factory.mktemp("top2-sum-gate-cache")))
+        tkjit.reset()
+        yield
+    tkjit.reset()
+
+
+def _shape(e=256, k=8, g=8, kg=4, n=64, s=0, f="sigmoid", has_map=False, d=1, has_mask=False):
+    return {"num_tokens": n, "num_experts": e, "num_topk": k, "num_groups": g, "num_topk_groups": kg,
+            "num_shared_experts": s, "scoring_func": f, "has_map": has_map, "num_duplicates": d,
+            "has_mask": has_mask}
+
+
+def test_spec_validates():
+    spec = get_spec(NAME)
+    validate(spec)
+    assert spec.tolerance.exact
+    for ex in spec.examples:
+        full = spec.canonical_shape(ex)
+        assert spec.default_config(full, "sm_90a")["layout"] == "warp"
+        assert spec.default_config(full, "cpu")["layout"] == "thread"
+    full = spec.canonical_shape(_shape())
+    assert len(spec.configs(full, "sm_90a")) == 28 and len(spec.configs(full, "cpu")) == 4
+
+
+def test_bad_shapes_and_configs():
+    spec = get_spec(NAME)
+    for kw, msg in [({"e": 70}, "multiple of 4"), ({"k": 30, "s": 3}, "'num_shared_experts'=3 above"),
+                    ({"k": 31, "s": 2}, "must be <= 32"), ({"g": 8, "kg": 0}, "both zero or both non-zero"),
+                    ({"kg": 9}, "num_topk_groups=9 must be <= num_groups=8"),
+                    ({"e": 100, "g": 8}, "divisible by num_groups=8"), ({"e": 32, "g": 32, "kg": 4}, ">= 2 experts"),
+                    ({"e": 64, "g": 8, "kg": 1, "k": 9}, "num_topk=9 must be <= num_topk_groups"),
+                    ({"f": "identity"}, "scoring_func")]:
+        with pytest.raises(ShapeError, match=msg):
+            spec.canonical_shape(_shape(**kw))
+    full = spec.canonical_shape(_shape())
+    with pytest.raises(ConfigError, match="warp shuffles"):
+        spec.check_config(full, {"layout": "warp", "threads": 128, "tokens_per_warp": 1, "reduce": "shfl"}, "cpu")
+    with pytest.raises(ConfigError, match="layout=thread has no warps"):
+        spec.check_config(full, {"layout": "thread", "threads": 128, "tokens_per_warp": 2, "reduce": "shfl"})
+
+
+# -- the reference ---------------------------------------------------------------------------------
+
+def _independent(shape, logits, bias, rsf, per_gpu, tp_rank, num_tp_ranks, physical=None):
+    """A Python-loop model of the semantics (sigmoid only: its float ops are elementwise)."""
+    e, k, g, kg = shape["num_experts"], shape["num_topk"], shape["num_groups"], shape["num_topk_groups"]
+    f32 = torch.float32
+    out_idx, out_w = [], []
+    for t, (row_x) in enumerate(logits):
+        sc = [torch.div(torch.tensor(1.0, dtype=f32), 1.0 + torch.exp(-row_x[i])) for i in range(e)]
+        key = [float(sc[i] + bias[i]) for i in range(e)]
+        allowed = set(range(e))
+        if g != kg:
+            epg = e // g
+            sums = []
+            for gi in range(g):
+                top = sorted(key[gi * epg:(gi + 1) * epg], reverse=True)[:2]
+                sums.append(float(torch.tensor(top[0], dtype=f32) + torch.tensor(top[1], dtype=f32)))
+            keep = sorted(range(g), key=lambda q: (-sums[q], q))[:kg]
+            allowed = {i for i in range(e) if i // epg in keep}
+        chosen = sorted(allowed, key=lambda i: (-key[i], i))[:k]
+        tot = torch.tensor(1e-20, dtype=f32)
+        for i in chosen:
+            tot = tot + sc[i]
+        ws = [float(sc[i] / tot * torch.tensor(rsf, dtype=f32)) for i in chosen]
+        ids = list(chosen) + [e + j for j in range(shape["num_shared_experts"])]
+        ws += [1.0] * shape["num_shared_experts"]
+        if physical is not None:
+            ids = [physical(t, i) for i in ids]
+        res = []
+        for i in ids:
+            gpu = i // per_gpu
+            res.append(-1 if i < 0 or gpu % num_tp_ranks != tp_rank else (gpu // num_tp_ranks) * per_gpu + i % per_gpu)
+        out_idx.append(res)
+        out_w.append(ws)
+    return torch.tensor(out_idx, dtype=torch.int64), torch.tensor(out_w, dtype=f32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("e,k,g,kg", [(256, 8, 8, 4), (72, 6, 0, 0), (64, 4, 4, 4), (48, 5, 6, 2)])
+def test_reference_against_an_independent_model(seed, e, k, g, kg):
+    spec = get_spec(NAME)
+    shape = spec.canonical_shape(_shape(e, k, g, kg, n=24))
+    logits, bias, rsf, _ep, per_gpu, tp, tps = spec.make_inputs(shape, "cpu", seed)
+    idx, w = spec.reference(shape, logits, bias, rsf, _ep, per_gpu, tp, tps)
+    want_idx, want_w = _independent(shape, logits, bias, rsf, per_gpu, tp, tps)
+    assert torch.equal(idx, want_idx)
+    assert torch.equal(w, want_w)
+
+
+def test_reference_with_the_map_against_an_independent_model():
+    spec = get_spec(NAME)
+    shape = spec.canonical_shape(_shape(64, 4, 4, 2, n=24, s=2, has_map=True, d=3))
+    logits, bias, pmap, cnt, rsf, ep, per_gpu, tp, tps = spec.make_inputs(shape, "cpu", 1)
+    assert ((cnt < 1) | (cnt > 3)).any()  # odd seeds: counts outside [1, d] give -1
+
+    def physical(t, i):
+        c = int(cnt[i])
+        return int(pmap[i, (ep + t * 23333) % c]) if 1 <= c <= 3 else -1
+
+    idx, w = spec.reference(shape, logits, bias, pmap, cnt, rsf, ep, per_gpu, tp, tps)
+    want_idx, want_w = _independent(shape, logits, bias, rsf, per_gpu, tp, tps, physical)
+    assert torch.equal(idx, want_idx) and torch.equal(w, want_w)
+
+
+def _tk_reference(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
+                  routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
+                  to_physical_map=None, logical_count=None):
+    """TileKernels' torch reference `tile_kernels.torch.top2_sum_gate` (no fix_routing_mask), step by step;
+    rows are independent, so routing every token and then clearing the masked rows is the same."""
+    n, e = logits.shape
+    s = num_shared_experts if use_shared_as_routed else 0
+    if scoring_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    elif scoring_func == "sqrtsoftplus":
+        scores = F.softplus(logits).sqrt()
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    biased = (logits + bias) if scoring_func == "softmax" else (scores + bias)
+    if num_groups != num_topk_groups:
+        per = e // num_groups
+        sums = biased.view(n, num_groups, per).topk(2, dim=-1, sorted=False).values.sum(-1)
+        top = torch.sort(sums, dim=1, descending=True, stable=True).indices[:, :num_topk_groups]
+        gmask = torch.ones(n, num_groups, dtype=torch.bool).scatter_(1, top, False)
+        biased = biased.masked_fill(gmask.unsqueeze(-1).expand(-1, num_groups, per).reshape(n, e), float("-inf"))
+    sel = torch.sort(biased, dim=1, descending=True, stable=True).indices[:, :num_topk]
+    sc = scores.gather(1, sel)
+    w = sc / sc.sum(dim=-1, keepdim=True).clamp(min=1e-20) * routed_scaling_factor
+    idx = sel
+    if s:
+        idx = torch.cat([idx, torch.arange(e, e + s).expand(n, -1)], dim=1)
+        w = torch.cat([w, torch.ones(n, s)], dim=1)
+    if to_physical_map is not None:
+        for lane in range(idx.shape[1]):
+            logical = idx[:, lane]
+            dup = (ep_rank + torch.arange(n) * 23333) % logical_count[logical].long()
+            idx[:, lane] = to_physical_map[logical, dup].long()
+    extra = to_physical_map.shape[1] - 1 if to_physical_map is not None else 0
+    per_rank = (e + extra) // num_ep_ranks
+    per_dp = per_rank * num_tp_ranks
+    valid = idx >= 0
+    ep_of = torch.where(valid, idx // per_rank, 0)
+    idx = torch.where(valid & (ep_of % num_tp_ranks != tp_rank), -1, idx)
+    valid = idx >= 0
+    local = idx - tp_rank * per_rank
+    dp = torch.where(valid, local // per_dp, 0)
+    remapped = local - dp * (per_dp - per_rank)
+    idx = torch.where(valid & (remapped >= 0), remapped, torch.where(valid, -1, idx))
+    if mask is not None:
+        idx[~mask] = -1
+        w[~mask] = 0.0
+    return idx, w
+
+
+@pytest.mark.parametrize("f", ["sigmoid", "softmax", "sqrtsoftplus"])
+@pytest.mark.parametrize("e,k,g,kg,s,d", [(256, 8, 8, 4, 0, 1), (72, 6, 0, 0, 0, 1), (256, 8, 8, 4, 1, 9),
+                                          (64, 8, 8, 8, 2, 4)])
+def test_reference_matches_tile_kernels_semantics(f, e, k, g, kg, s, d):
+    """Indices exact; weights equal up to the order of float sums (torch's softmax and topk-sum reductions
+    are device-specific; ours follow TileKernels' kernel)."""
+    spec = get_spec(NAME)
+    has_map = s > 0
+    shape = spec.canonical_shape(_shape(e, k, g, kg, n=200, s=s, f=f, has_map=has_map, d=d))
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(200, e, generator=gen) * 2
+    bias = torch.randn(e, generator=gen) * 0.1
+    maps = ()
+    if has_map:
+        maps = (torch.randint(0, e + d - 1, (e + s, d), generator=gen, dtype=torch.int32),
+                torch.randint(1, d + 1, (e + s,), generator=gen, dtype=torch.int32))
+    num_ep, tp, tps = 8, 1, 2
+    per_gpu = (e + d - 1) // num_ep
+    idx, w = spec.reference(shape, logits, bias, *maps, 2.5, 3, per_gpu, tp, tps)
+    want_idx, want_w = _tk_reference(logits, bias, k, kg, g, s > 0, s, 2.5, 3, num_ep, tp, tps, f, None, *maps)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
+
+
+def test_reference_edge_cases():
+    """Ties between groups go to the smaller group, ties between experts to the smaller expert; the bias
+    steers selection only; shared experts and the TP remap."""
+    spec = get_spec(NAME)
+    shape = spec.canonical_shape(_shape(8, 2, 4, 2, n=1))
+    # Keys per group (sigmoid(0) = 0.5 plus bias): groups 1 and 2 tie on their top-2 sums, group 3 is best.
+    logits = torch.zeros(1, 8)
+    bias = torch.tensor([0.0, 0.0, 0.25, 0.0, 0.0, 0.25, 0.5, 0.5])
+    idx, w = spec.reference(shape, logits, bias, 1.0, 0, 8, 0, 1)
+    assert idx.tolist() == [[6, 7]] and w.tolist() == [[0.5, 0.5]]
+    bias = torch.tensor([0.0, 0.0, 0.25, 0.0, 0.0, 0.25, 0.0, 0.0])
+    idx, _ = spec.reference(shape, logits, bias, 1.0, 0, 8, 0, 1)
+    assert idx.tolist() == [[2, 5]]  # groups 1, 2 kept (tie: both), then the two 0.75 keys
+    idx, _ = spec.reference(spec.canonical_shape(_shape(8, 2, 4, 1, n=1)), logits, bias, 1.0, 0, 8, 0, 1)
+    assert idx.tolist() == [[2, 3]]  # one group: group 1 (ties with group 2), its two experts
+    # TP remap: 2 experts per GPU, 2 TP ranks: rank 1 keeps experts of GPUs 1, 3, ...
+    shape = spec.canonical_shape(_shape(32, 4, 0, 0, n=1))
+    logits = torch.arange(32.0).flip(0).unsqueeze(0) / 8  # best: 0, 1, 2, 3
+    idx, _ = spec.reference(shape, logits, torch.zeros(32), 1.0, 0, 2, 1, 2)
+    assert idx.tolist() == [[-1, -1, 0, 1]]  # 0, 1 on GPU 0 (TP rank 0); 2, 3 on GPU 1 -> local 0, 1
+
+
+def test_make_inputs_have_ties_on_odd_seeds():
+    spec = get_spec(NAME)
+    shape = spec.canonical_shape(_shape(n=256))
+    a = spec.make_inputs(shape, "cpu", 0)[0]
+    b = spec.make_inputs(shape, "cpu", 1)[0]
+    assert a.shape == (256, 256) and a.dtype == torch.float32
+    assert a.unique().numel() > 0.99 * a.numel() and b.unique().numel() < 100
+    assert (torch.signbit(b) & (b == 0)).any()
+
+
+# -- C target --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(e=72, k=6, g=0, kg=0, has_mask=True), dict(e=64, k=8, g=8, kg=8),
+                                dict(e=64, k=4, g=4, kg=2, s=2, has_map=True, d=3, has_mask=True)])
+def test_c_target_runs_sigmoid_exact(kw):
+    kern = tkjit.get(NAME, _shape(n=100, **kw), arch="cpu")
+    assert kern.config["layout"] == "thread"
+    for n in (1, 7, 301):
+        for seed in (0, 1):
+            assert check(kern, _shape(n=n, **kw), device="cpu", seed=seed) is None
+
+
+@pytest.mark.parametrize("f", ["softmax", "sqrtsoftplus"])
+def test_c_target_runs_other_scoring(f):
+    """The C library's expf/log1pf and torch's CPU kernels may differ in the last bit: indices exact where
+    keys are distinct (even seeds), weights to 1e-6 (bit-exact on the GPU, where both use CUDA's expf)."""
+    spec = get_spec(NAME)
+    kern = tkjit.get(NAME, _shape(e=72, k=6, g=0, kg=0, n=100, f=f), arch="cpu", config=THREAD)
+    shape = spec.canonical_shape(_shape(e=72, k=6, g=0, kg=0, n=257, f=f))
+    inputs = spec.make_inputs(shape, "cpu", 0)
+    idx, w = kern(*inputs)
+    ref_idx, ref_w = spec.reference(shape, *inputs)
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90a():
+    kern = tkjit.get(NAME, _shape(n=4096), arch="sm_90a")
+    assert kern.config["layout"] == "warp"
+    src = (kern.path / "kernel.cu").read_text()
+    assert "__ballot_sync" in src and "__reduce_max_sync" in src and "float4" in src
+    assert "__expf" not in src and "__syncthreads" not in src
+
+
+# -- torch op and compat ---------------------------------------------------------------------------
+
+def _inputs(n=37, e=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, e, generator=g), torch.randn(e, generator=g) * 0.1
+
+
+ARGS = (6, 2, 8, False, 0, 2.5, 0, 4, 1, 2, "sigmoid")  # num_topk .. scoring_func, 64 experts
+
+
+@pytest.mark.parametrize("tokens", [0, 37])
+def test_opcheck_and_fake(tokens):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    f = torch.ops.tkjit.top2_sum_gate.default
+    x, b = _inputs(tokens)
+    result = torch.library.opcheck(f, (x, b, *ARGS), test_utils=OPCHECK_TESTS)
+    assert result == dict.fromkeys(OPCHECK_TESTS, "SUCCESS"), result
+    real = f(x, b, *ARGS)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = f(mode.from_tensor(x), mode.from_tensor(b), *ARGS)
+    for r, fk in zip(real, fake):
+        assert (fk.shape, fk.dtype, fk.stride()) == (r.shape, r.dtype, r.stride())
+
+
+def test_ops_compile_and_compat_match_the_reference():
+    x, b = _inputs()
+    spec = get_spec(NAME)
+    want = spec.reference(spec.canonical_shape(_shape(64, 6, 8, 2, n=37)), x, b, 2.5, 0, 16, 1, 2)
+    for got in (tkjit.ops.top2_sum_gate(x, b, *ARGS), tk_moe.top2_sum_gate(x, b, *ARGS),
+                torch.compile(lambda s, t: tkjit.ops.top2_sum_gate(s, t, *ARGS), fullgraph=True)(x, b)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # Shared experts through the map; TileKernels' torch reference semantics.
+    pmap = torch.arange(65 * 2, dtype=torch.int32).view(65, 2) % 66
+    cnt = torch.tensor([1, 2] * 32 + [2], dtype=torch.int32)
+    mask = torch.arange(37) % 3 != 1
+    got = tk_moe.top2_sum_gate(x, b, 8, 2, 8, True, 1, 2.5, 3, 2, 0, 1, "sigmoid", mask=mask, to_physical_map=pmap,
+                               logical_count=cnt)
+    want = _tk_reference(x, b, 8, 2, 8, True, 1, 2.5, 3, 2, 0, 1, "sigmoid", mask, pmap, cnt)
+    assert (got[0][1] == -1).all() and (got[1][1] == 0).all()
+    assert got[0].shape == (37, 9) and torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+    out = tk_moe.top2_sum_gate(x[:0], b, *ARGS)
+    assert out[0].shape == (0, 6) and out[0].dtype == torch.int64 and out[1].dtype == torch.float32
+
+
+def test_compat_argument_errors():
+    x, b = _inputs()
+    fn = tk_moe.top2_sum_gate
+    with pytest.raises(TensorError, match="logits must be torch.float32"):
+        fn(x.double(), b, *ARGS)
+    with pytest.raises(TensorError, match="logits and bias must be contiguous"):
+        fn(x.t().contiguous().t(), b, *ARGS)
+    with pytest.raises(TensorError, match="bias has 63 entries"):
+        fn(x, b[:63], *ARGS)
+    with pytest.raises(ShapeError, match=r"num_topk \(65\) must be in"):
+        fn(x, b, 65, *ARGS[1:])
+    with pytest.raises(ShapeError, match="both zero or both non-zero"):
+        fn(x, b, 6, 0, 8, *ARGS[3:])
+    with pytest.raises(ShapeError, match="identity"):
+        fn(x, b, *ARGS[:-1], "identity")
+    with pytest.raises(ShapeError, match="scoring_func must be"):
+        fn(x, b, *ARGS[:-1], "tanh")
+    with pytest.raises(ShapeError, match="num_shared_experts"):
+        fn(x, b, 6, 2, 8, True, 1, 2.5, 0, 4, 1, 2, "sigmoid")  # shared experts need the map's extra experts
+    with pytest.raises(ShapeError, match=r"tp_rank \(2\) must be in"):
+        fn(x, b, 6, 2, 8, False, 0, 2.5, 0, 4, 2, 2, "sigmoid")
+    with pytest.raises(ShapeError, match=r"n \(64\) must be >= num_ep_ranks \(128\)"):
+        fn(x, b, 6, 2, 8, False, 0, 2.5, 0, 128, 0, 1, "sigmoid")
+    with pytest.raises(TensorError, match="given together"):
+        fn(x, b, *ARGS, to_physical_map=torch.zeros(64, 1, dtype=torch.int32))
+    with pytest.raises(TensorError, match="mask must be a torch.bool tensor"):
+        fn(x, b, *ARGS, mask=torch.ones(37, dtype=torch.int32))
+    with pytest.raises(TensorError, match="mask has 36 entries"):
+        fn(x, b, *ARGS, mask=torch.ones(36, dtype=torch.bool))
+    for name, t in (("fix_routing_mask", torch.ones(37, dtype=torch.bool)),
+                    ("unmapped_topk_idx", torch.zeros(37, 6, dtype=torch.int64))):
+        with pytest.raises(NotImplementedError, match=name):
+            fn(x, b, *ARGS, **{name: t})
+    with pytest.raises(NotImplementedError, match="num_experts"):
+        fn(torch.randn(3, 66), torch.randn(66), 6, 0, 0, False, 0, 1.0, 0, 1, 0, 1, "sigmoid")
