@@ -258,3 +258,19 @@ def test_mixed_type_keys(where):
             SPEC.canonical_shape({1: 2, "a": 3})
         else:
             SPEC.check_config(FULL, {1: 2, "a": 3})
+
+
+def test_tolerance_compares_integer_outputs_exactly_even_with_an_rtol():
+    """A wrong index hides in a relative error (1 of 10000 large indices off by one is ~1e-6 relative);
+    integer outputs must match exactly whatever the float tolerance."""
+    import torch
+
+    from tkjit.spec import Tolerance
+
+    ref = torch.arange(100_000, 110_000, dtype=torch.int64)
+    out = ref.clone()
+    out[5] += 1
+    assert "1 of 10000 elements differ" in Tolerance(rtol=1e-5).check("idx", out, ref)
+    assert Tolerance(rtol=1e-5).check("idx", ref.clone(), ref) is None
+    w = torch.rand(1000, dtype=torch.float32)
+    assert Tolerance(rtol=1e-5).check("w", w * (1 + 1e-7), w) is None  # floats keep their tolerance

@@ -100,7 +100,7 @@ def arch_constraint(arch, c, shape):
 
 def pass_configs(c):
     # The warp layout orders its shared-memory accesses with __syncwarp itself (a warp owns its rows).
-    # No fast math: expf / IEEE division, as torch's CUDA kernels (bit-exact scores and weights).
+    # No fast math: expf / IEEE division, as TileKernels' kernel (bit-exact with it on the H200).
     return {"tl.disable_warp_specialized": True, "tl.disable_thread_storage_sync": c["layout"] == "warp",
             "tl.enable_fast_math": False}
 
@@ -644,7 +644,10 @@ SPEC = register(
         ),
         make_inputs=make_inputs,
         reference=reference,
-        tolerance=Tolerance(exact=True),
+        # Indices exact (integers always are); weights within a few ulps of this torch reference, whose CUDA
+        # exp / softmax sum differ from the kernel's in the last bits on the GPU. The bit-exact oracle on the
+        # GPU is TileKernels' own kernel (tests/gpu/test_gpu_top2_sum_gate.py::test_against_tile_kernels).
+        tolerance=Tolerance(rtol=1e-6, max_abs=1e-5),
         bytes_moved=_bytes,
         examples=(
             {"num_tokens": 8192, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4},

@@ -12,6 +12,8 @@
 #             # groups, odd expert counts, host cost and cold start
 #   catalog   # new kernels ($KERNELS, comma-separated): their GPU test files, then
 #             # (TUNE=1) a pretune into the shipped DB and the benchmark table
+#   parallel  # GPU test files ($FILES: "name[:pytest -k expression];...") side by side, one process each
+#             # (their time is mostly compiling, on 16 cores), each under $TEST_TIMEOUT; one combined log
 #   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #             # short, host cost, and the transpose / per_token_cast benchmark
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
@@ -19,6 +21,9 @@
 # Paths below are from the repository root (tests/, tools/, .gpu/), wherever the script is started from.
 cd "$(dirname "$0")/../../.." || exit 1
 source .gpu/env.sh
+# a source checkout, not pip-installed: the specs import as tkjit_kernels (pyproject maps kernel_specs/ to that name)
+mkdir -p /tmp/tkjit-src && ln -sfn "$PWD/kernel_specs" /tmp/tkjit-src/tkjit_kernels
+export PYTHONPATH="/tmp/tkjit-src:$PYTHONPATH"
 export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16
 mkdir -p "$OUT"
 PYTEST="python -m pytest -p no:cacheprovider -rfE -v --tb=short --durations=8"
@@ -105,6 +110,18 @@ widened)
   echo "rc=$?" >> "$OUT/pytest_topk_gate.txt"
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
   grep -E "us|ratio" "$OUT/pytest_topk_gate.txt" | grep -v "^tests" | head -30
+  ;;
+parallel)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  IFS=';' read -ra items <<< "$FILES"
+  for i in "${!items[@]}"; do  # one file may appear twice, with two selections: logs are numbered
+    k=${items[$i]}; f=tests/gpu/test_gpu_${k%%:*}.py; sel=""; [ "$k" != "${k#*:}" ] && sel="${k#*:}"
+    ( TKJIT_JOBS=4 timeout "${TEST_TIMEOUT:-480}" $PYTEST $f ${sel:+-k "$sel"} > "/tmp/pytest_$i.txt" 2>&1
+      echo "rc=$?" >> "/tmp/pytest_$i.txt" ) &
+  done
+  wait
+  for i in "${!items[@]}"; do echo "=================== ${items[$i]}"; cat "/tmp/pytest_$i.txt"; done > "$OUT/pytest_all.txt"
+  grep -E "^(=================== |FAILED|ERROR|rc=)|passed|failed" "$OUT/pytest_all.txt" | grep -v "^tests.*PASSED" | head -120
   ;;
 catalog)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
