@@ -88,3 +88,30 @@ def test_planted_wrong_crashing_and_hanging_configs_never_win(tmp_path, monkeypa
     assert kinds == {config_id(c["wrong"]): "wrong", config_id(c["segv"]): "crash", config_id(c["hang"]): "timeout"}
     assert r.trials == 5
     tkjit.reset()
+
+
+def test_a_run_cut_short_keeps_the_winners_of_the_studies_it_finished(tmp_path, monkeypatch):
+    """Winners are written as each study ends: a pretune killed in its second study (here an interrupt,
+    on the GPU host a time limit) still leaves the first study's winner in the DB."""
+    import tkjit.tuning as tuning
+    from tkjit.tuning.pretune import PretuneOptions, run_studies
+
+    monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path / "cache"))
+    real, calls = tuning.tune, []
+
+    def tune_then_interrupt(*a, **kw):
+        calls.append(a[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tuning, "tune", tune_then_interrupt)
+    studies = [{"kernel": "sinkhorn_fwd", "shape": {"n": 4, "num_tokens": 1000}},
+               {"kernel": "sinkhorn_fwd", "shape": {"n": 4, "num_tokens": 5000}}]
+    opts = PretuneOptions(arch="cpu", max_configs=2, jobs=1, bench_budget_s=0.02, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_studies(studies, opts)
+    assert len(calls) == 2
+    (db,) = (tmp_path / "cache" / "v1" / "tuned" / "cpu").glob("*.json")
+    (entry,) = json.loads(db.read_text())["entries"]
+    assert entry["kernel"] == "sinkhorn_fwd" and entry["bucket"] == {"num_tokens": 1024}

@@ -183,7 +183,10 @@ def _bar(desc: str, log: Any) -> Any:
 
 
 def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> PretuneReport:
-    """Tune every study (one failing does not stop the others), write the tuned DB, warm the cache."""
+    """Tune every study (one failing does not stop the others), write the tuned DB, warm the cache.
+
+    Each winner is merged into the DB files as soon as its study ends: a run cut short (a time limit, a
+    killed worker) keeps the studies it finished."""
     from tkjit.tuning import LocalEvaluator, open_storage, tune
     from tkjit.tuning.tuner import HEARTBEAT_S
     from tkjit.tuning_db import gpu_model, shipped_db_path, user_db_path, write_entries
@@ -202,6 +205,7 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
     t_all = time.perf_counter()
     rows: list[dict[str, Any]] = []
     entries: list[dict[str, Any]] = []
+    written: dict[Path, None] = {}  # the DB files written, in order
     with LocalEvaluator(arch, jobs=opts.jobs, timer=opts.timer, imports=opts.imports, timeout_s=opts.timeout_s,
                         budget_s=opts.bench_budget_s) as ev:
         ev.pool.warm()  # processes import TileLang while the bench worker starts
@@ -242,17 +246,16 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
                 row["pct_copy"] = 100.0 * gbps / copy_gbps
             rows.append(row)
             entries.append(r.db_entry())
+            targets = ([user_db_path(arch, gpu)] if opts.user_db else []) + (
+                [shipped_db_path(arch, gpu)] if opts.update_shipped else [])
+            for path in targets:
+                written[write_entries(path, entries[-1:], arch=arch, gpu=gpu)] = None
         # Warm the cache: every served config is published (normally a cache hit from the search).
         warm = [(e["kernel"], e["shape"], e["config"], arch, "tuned:user") for e in entries]
         for _, err in ev.pool.compile(warm):
             if err:
                 print(f"tune: warming the cache: {err}", file=log)
-    written = []
-    if entries and opts.user_db:
-        written.append(write_entries(user_db_path(arch, gpu), entries, arch=arch, gpu=gpu))
-    if entries and opts.update_shipped:
-        written.append(write_entries(shipped_db_path(arch, gpu), entries, arch=arch, gpu=gpu))
-    return PretuneReport(arch, gpu, copy_gbps, rows, entries, written, time.perf_counter() - t_all)
+    return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all)
 
 
 def footer(report: PretuneReport) -> str:

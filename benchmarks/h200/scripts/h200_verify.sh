@@ -14,6 +14,8 @@
 #             # (TUNE=1) a pretune into the shipped DB and the benchmark table
 #   parallel  # GPU test files ($FILES: "name[:pytest -k expression];...") side by side, one process each
 #             # (their time is mostly compiling, on 16 cores), each under $TEST_TIMEOUT; one combined log
+#   chain     # the MoE routing chain end to end beside TileKernels (tools/bench_chain.py), then
+#             # (TUNE=1) a pretune of $KERNELS and their benchmark table, after the $FILES tests (parallel)
 #   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #             # short, host cost, and the transpose / per_token_cast benchmark
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
@@ -122,6 +124,20 @@ parallel)
   wait
   for i in "${!items[@]}"; do echo "=================== ${items[$i]}"; cat "/tmp/pytest_$i.txt"; done > "$OUT/pytest_all.txt"
   grep -E "^(=================== |FAILED|ERROR|rc=)|passed|failed" "$OUT/pytest_all.txt" | grep -v "^tests.*PASSED" | head -120
+  ;;
+chain)
+  [ -n "$FILES" ] && TEST_TIMEOUT=${TEST_TIMEOUT:-150} bash "$0" parallel
+  timeout 60 python tools/bench_chain.py --json "$OUT/chain.json" > "$OUT/chain.txt" 2>&1; echo "rc=$?" >> "$OUT/chain.txt"
+  if [ "${TUNE:-0}" = 1 ]; then
+    timeout "${TUNE_TIMEOUT:-240}" python tools/pretune.py --kernels "$KERNELS" --update-shipped \
+      --time-budget "${TUNE_BUDGET:-6}" --json "$OUT/pretune.json" > "$OUT/pretune.txt" 2>&1
+    echo "rc=$?" >> "$OUT/pretune.txt"; cp tkjit/tuning_db_data/sm_90a/NVIDIA_H200.json "$OUT/" 2>/dev/null
+    timeout 60 python tools/bench_chain.py --json "$OUT/chain_tuned.json" > "$OUT/chain_tuned.txt" 2>&1
+    timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py --no-compile --kernels ${KERNELS//,/ } --json "$OUT/bench.json" \
+      > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
+  fi
+  cat "$OUT/chain.txt"; [ -f "$OUT/pretune.txt" ] && tail -n 40 "$OUT/pretune.txt"
+  [ -f "$OUT/chain_tuned.txt" ] && cat "$OUT/chain_tuned.txt"; [ -f "$OUT/bench.txt" ] && tail -n 60 "$OUT/bench.txt"
   ;;
 catalog)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
