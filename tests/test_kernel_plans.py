@@ -54,3 +54,44 @@ def test_zeroed_outputs_start_at_zero_on_every_planned_call():
         again = k(idx, 8)
         assert all(torch.equal(a, b) for a, b in zip(again, first))
     assert torch.equal(first[0], tkjit.get_spec("aux_fi").reference({"num_experts": 72}, idx, 8)[0])
+
+
+def test_caller_sized_outputs_are_planned_per_size_given():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    import abi_specs  # noqa: F401  (registers bincount_scaled: a zeroed output sized by num_bins)
+
+    k = tkjit.get("bincount_scaled", {"n": 64, "num_bins": 8}, arch="cpu")
+    idx, w = torch.randint(-2, 14, (64,), dtype=torch.int32), torch.randn(64)
+    for bins in (5, 13):
+        k(idx, w, 1, True, num_bins=bins)
+    assert len(k._plans) == 2
+    calls = []
+    real = k._call
+    k._call = lambda *a: calls.append(a) or real(*a)
+    for bins, scale in ((5, 2), (13, -1), (5, 3)):  # each size its own plan; scalars and zeroing per call
+        want = abi_specs.bincount_reference(idx, w, bins, scale, True)
+        torch.testing.assert_close(k(idx, w, scale, True, num_bins=bins), want)
+    assert not calls
+    k(idx, w, 1, True, num_bins=7)  # a new size: the full checks, then its own plan
+    assert len(calls) == 1 and len(k._plans) == 3
+
+
+def test_a_variant_without_its_optional_inputs_is_planned():
+    shape = {"num_tokens": 64, "num_experts": 64, "num_topk": 4, "num_groups": 4, "num_topk_groups": 2}
+    k = tkjit.get("top2_sum_gate", shape, arch="cpu")
+    assert not k.spec.inputs[2].present(k.shape)  # no mask, no replica map
+    logits, bias = torch.randn(64, 64), torch.randn(64)
+    first = k(logits, bias, 2.5, 0, 64, 0, 1)
+    assert len(k._plans) == 1
+    calls = []
+    real = k._call
+    k._call = lambda *a: calls.append(a) or real(*a)
+    for rsf in (2.5, 1.0):
+        got = k(logits, bias, rsf, 0, 64, 0, 1)
+        want = k.spec.reference(k.shape, logits, bias, rsf, 0, 64, 0, 1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(k(logits, bias, 2.5, 0, 64, 0, 1), first))
+    assert not calls

@@ -182,10 +182,12 @@ class CompiledKernel:
         self._inouts = [i for i, a in enumerate(self._in) if a.inout]
         self._simple = not (self._scalars or self._caller_sized or self._inouts
                             or any(a.zeroed for a in self._out) or any(not a.present for a in self._in))
-        # Calls a plan can serve: every input present, no caller-sized output, nothing in place (scalars
-        # and zeroed outputs are fine: a plan checks the one and zero-fills the other).
-        self._plannable = not (self._caller_sized or self._inouts or any(not a.present for a in self._in))
-        self._n_in = len(self._in)
+        # Calls a plan can serve: nothing in place. Scalars, zeroed outputs, absent optional inputs and
+        # caller-sized outputs are fine: a plan checks the scalars, zero-fills the zeroed outputs, takes the
+        # present inputs only (as a call passes them), and has the caller's sizes in its signature.
+        self._plannable = not self._inouts
+        self._present = [a for a in self._in if a.present]
+        self._n_in = len(self._present)
 
     @property
     def name(self) -> str:
@@ -199,9 +201,12 @@ class CompiledKernel:
 
         An empty batch (a runtime size of 0) launches nothing: outputs come back with their shapes,
         zeroed ones zero-filled."""
-        if out is None and not kw:
+        if out is None:
             try:  # the fast path: a plan for this signature (see the class doc)
-                if len(args) == 1:
+                if kw:  # caller-sized outputs' sizes by name: part of the signature
+                    plan = self._plans.get((*[(t.shape, t.stride(), t.dtype, t.device) for t in args[:self._n_in]],
+                                            tuple(sorted(kw.items()))))
+                elif len(args) == 1:
                     t = args[0]
                     plan = self._plans.get((t.shape, t.stride(), t.dtype, t.device))
                 else:  # the tensors' signature; a plan checks the scalars after them
@@ -287,11 +292,12 @@ class CompiledKernel:
                 raise LaunchError(f"{self.name}: launch failed: {type(e).__name__}: {e}") from e
         if self._inouts:
             outs = [inputs[i] for i in self._inouts] + outs
-        elif out is None and self._plannable and not kw:
-            self._plan(tuple(inputs), outs, device, launched)
+        elif out is None and self._plannable and set(kw) <= set(self._caller_sized) and len(args) == self._n_in + len(
+                self._scalars):  # a plain call: the present inputs and the scalars positionally, sizes by name
+            self._plan(tuple(t for t, a in zip(inputs, self._in) if a.present), outs, device, launched, kw)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _plan(self, inputs: tuple, outs: list, device, launched: bool) -> None:
+    def _plan(self, inputs: tuple, outs: list, device, launched: bool, sizes: dict[str, Any]) -> None:
         """Remember what a checked plain call (plain tensors then the scalars, positionally; no out=) fixed
         for its signature: the outputs' shapes and dtypes and the launcher bound to these shapes and
         strides. What the signature does not fix is checked again by the plan at each call: that every
@@ -306,13 +312,15 @@ class CompiledKernel:
         bind = getattr(self._launch, "bind", None)
         if launched and bind is None:  # a plain function as launcher (tests): every call is checked
             return
-        if len(inputs) == 1 and not self._scalars:  # the key __call__ looks up (one argument: bare)
+        if sizes:  # the key __call__ looks up: the tensors', then the sizes given by name
+            sig = (*[(t.shape, t.stride(), t.dtype, t.device) for t in inputs], tuple(sorted(sizes.items())))
+        elif len(inputs) == 1 and not self._scalars:  # (one argument: bare)
             t = inputs[0]
             sig = (t.shape, t.stride(), t.dtype, t.device)
         else:
             sig = tuple([(t.shape, t.stride(), t.dtype, t.device) for t in inputs])
         go = bind([*inputs, *outs], len(inputs)) if launched else None
-        aligned = tuple((i, a.align) for i, a in enumerate(self._in) if a.align > 1)
+        aligned = tuple((i, a.align) for i, a in enumerate(self._present) if a.align > 1)
         specs = tuple((tuple(o.shape), o.dtype) for o in outs)
         empty, name = torch.empty, self.name
 
@@ -349,7 +357,9 @@ class CompiledKernel:
             align = aligned[0][1] if aligned else 1
 
             def plan(args: tuple):
-                x, = args
+                if len(args) != 1:
+                    return None
+                x = args[0]
                 if type(x) is not tensor or x.data_ptr() % align:
                     return None
                 y = empty(shape, dtype=dtype, device=device)
