@@ -92,6 +92,7 @@ def test_a_variant_without_its_optional_inputs_is_planned():
     for rsf in (2.5, 1.0):
         got = k(logits, bias, rsf, 0, 64, 0, 1)
         want = k.spec.reference(k.shape, logits, bias, rsf, 0, 64, 0, 1)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(got[0], want[0])  # each call's scaling factor reaches the kernel:
+        assert k.spec.tolerance.check("topk_weights", got[1], want[1]) is None
     assert all(torch.equal(a, b) for a, b in zip(k(logits, bias, 2.5, 0, 64, 0, 1), first))
     assert not calls

@@ -193,6 +193,11 @@ class CompiledKernel:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def caller_sized(self) -> tuple[str, ...]:
+        """Runtime sizes of outputs that no input gives: a call passes each by name (or gives out=)."""
+        return self._caller_sized
+
     def __call__(self, *args, out=None, **kw):
         """Run on the input tensors, then the spec's scalars, positionally or by name (an optional input
         this variant does not take is left out, or passed as None by name); a caller-sized output's size

@@ -62,10 +62,21 @@ def rows_for(dev: str) -> dict[str, Callable[[], object]]:
     rows["tkjit.ops.sinkhorn_fwd"] = lambda: tkjit.ops.sinkhorn_fwd(x)
     rows["tkjit.get(sinkhorn_fwd) kernel"] = lambda: k_sink(x)
     if dev == "cuda":
-        try:
-            from tile_kernels.moe import topk_gate as tk_topk
+        # The routing ops with scalars, absent optional inputs (top2_sum_gate) and caller-sized outputs
+        # (get_fused_mapping), through the compat API as a TileKernels user calls them.
+        import tkjit.compat.tile_kernels as tkc
 
-            rows["tile_kernels.moe.topk_gate"] = lambda: tk_topk(scores, 8)
+        logits, bias = torch.randn(1, 256, device=dev), torch.randn(256, device=dev)
+        idx = torch.topk(scores, 8).indices
+        gate_args = (logits, bias, 8, 4, 8, False, 0, 2.5, 0, 1, 0, 1, "sigmoid")
+        rows["compat moe.top2_sum_gate"] = lambda: tkc.moe.top2_sum_gate(*gate_args)
+        rows["compat moe.get_fused_mapping"] = lambda: tkc.moe.get_fused_mapping(idx, 256, 8 + 256 * 127, 128)
+        try:
+            import tile_kernels.moe as tkm
+
+            rows["tile_kernels.moe.topk_gate"] = lambda: tkm.topk_gate(scores, 8)
+            rows["tile_kernels.moe.top2_sum_gate"] = lambda: tkm.top2_sum_gate(*gate_args)
+            rows["tile_kernels.moe.get_fused_mapping"] = lambda: tkm.get_fused_mapping(idx, 256, 8 + 256 * 127, 128)
         except Exception as e:  # a baseline, never a dependency
             print(f"TileKernels not available (row skipped): {type(e).__name__}: {e}")
     xs = torch.randn(4096, 4, 4, device=dev, requires_grad=True)

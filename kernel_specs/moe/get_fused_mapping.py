@@ -309,16 +309,17 @@ def reference(shape, topk_idx, block_counts=None):
     idx = order[:nvalid]  # flat indices, by expert then flat index
     ex = key[idx]
     first = torch.cumsum(counts, 0) - counts  # each expert's first place in `order`
-    pos = start[ex] + torch.arange(nvalid) - first[ex]
+    dev = topk_idx.device
+    pos = start[ex] + torch.arange(nvalid, device=dev) - first[ex]
     keep = pos < nexp
     idx, ex, pos = idx[keep], ex[keep], pos[keep]
-    pos_to_expert = torch.full((nexp,), -1, dtype=torch.int64)
+    pos_to_expert = torch.full((nexp,), -1, dtype=torch.int64, device=dev)
     pos_to_token = pos_to_expert.clone()
     pos_to_token_topk = pos_to_expert.clone()
     pos_to_expert[pos] = ex
     pos_to_token[pos] = idx // k
     pos_to_token_topk[pos] = idx
-    ttp = torch.full((flat.numel(),), -1, dtype=torch.int64)
+    ttp = torch.full((flat.numel(),), -1, dtype=torch.int64, device=dev)
     ttp[idx] = pos
     i32 = torch.int32
     return (

@@ -16,6 +16,8 @@
 #             # (their time is mostly compiling, on 16 cores), each under $TEST_TIMEOUT; one combined log
 #   chain     # the MoE routing chain end to end beside TileKernels (tools/bench_chain.py), then
 #             # (TUNE=1) a pretune of $KERNELS and their benchmark table, after the $FILES tests (parallel)
+#   routing   # the $FILES tests (parallel), host cost (routing ops included), the routing chain, and the
+#             # get_fused_mapping / top2_sum_gate benchmark (kernel plans for optional inputs, caller sizes)
 #   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #             # short, host cost, and the transpose / per_token_cast benchmark
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
@@ -138,6 +140,14 @@ chain)
   fi
   cat "$OUT/chain.txt"; [ -f "$OUT/pretune.txt" ] && tail -n 40 "$OUT/pretune.txt"
   [ -f "$OUT/chain_tuned.txt" ] && cat "$OUT/chain_tuned.txt"; [ -f "$OUT/bench.txt" ] && tail -n 60 "$OUT/bench.txt"
+  ;;
+routing)
+  [ -n "$FILES" ] && TEST_TIMEOUT=${TEST_TIMEOUT:-120} bash "$0" parallel
+  timeout 35 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
+  timeout 30 python tools/bench_chain.py > "$OUT/chain.txt" 2>&1
+  timeout 60 python tools/bench.py --no-compile --kernels get_fused_mapping top2_sum_gate --json "$OUT/bench.json" \
+    > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
+  cat "$OUT/hostcost.txt" "$OUT/chain.txt"; tail -n 30 "$OUT/bench.txt"
   ;;
 catalog)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
