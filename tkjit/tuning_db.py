@@ -450,6 +450,43 @@ def find_tuned(spec: KernelSpec, shape: dict[str, Any], arch: str) -> Found | No
     return Found(e, f"tuned:nearest({label}, {where})", path)
 
 
+def neighbour_configs(spec: KernelSpec, shape: dict[str, Any], arch: str, limit: int = 4) -> list[dict[str, Any]]:
+    """Configs to try first when tuning this full shape: the tuned winners of the same kernel on this arch
+    (user's DB, then shipped; this GPU's file, then the arch's other GPUs), nearest first: the same static
+    shape before others (fewer differing static params first), then the nearest bucket (log2 distance),
+    then this GPU before others. At most `limit`, without repeats; the caller checks them against its space.
+    A study's own earlier winner, if any, comes first. Files that cannot serve are skipped, as in lookup."""
+    if envs.flag(envs.NO_TUNED_DB):
+        return []
+    model = _current_model(arch)
+    static = spec.static_shape(shape)
+    bucket = spec.bucket(shape)
+    ranked: list[tuple[tuple, dict[str, Any]]] = []
+    for src_rank, root in enumerate((user_db_dir(), shipped_db_dir())):
+        for path in db_files(root, arch, model):
+            db = _serving_db(path)
+            if db is None:
+                continue
+            other_gpu = int(path.name != f"{file_stem(model)}.json")
+            for e in db.doc["entries"]:
+                if e["kernel"] != spec.name:
+                    continue
+                differ = sum(1 for k in set(static) | set(e["shape"]) if static.get(k) != e["shape"].get(k))
+                dist = _distance(e["bucket"], bucket)
+                ranked.append(((differ, math.inf if dist is None else dist, other_gpu, src_rank), e["config"]))
+    ranked.sort(key=lambda r: r[0])
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for _, cfg in ranked:
+        key = canonical_json(cfg)
+        if key not in seen:
+            seen.add(key)
+            out.append(dict(cfg))
+        if len(out) >= limit:
+            break
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # writing
 # ----------------------------------------------------------------------------------------------

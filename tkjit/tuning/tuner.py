@@ -380,11 +380,15 @@ def tune(
     min_gain: float = 0.02,
     progress: Callable[[int, int, float | None], None] | None = None,
     study_prefix: str = "",
+    warm_start: bool | Sequence[Mapping[str, Any]] = True,
 ) -> TuneResult:
     """Tune one study; see the module doc. `trials` counts distinct measured configs.
 
     `storage`: an Optuna storage, or what `open_storage` takes. `study_prefix` goes before the study's
-    name (a campaign's label): only workers given the same prefix share a study."""
+    name (a campaign's label): only workers given the same prefix share a study. `warm_start`: configs
+    measured right after the heuristic default, before the sampler proposes any (True: the tuned winners
+    of neighbouring shapes in the tuned DBs, `tuning_db.neighbour_configs`; False: none); those outside
+    this study's space are dropped."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -411,12 +415,32 @@ def tune(
         space.ordinal = mode == "tpe"  # an exhaustive study records real values (see tkjit.tuning.space)
         opts = StudyOptions(mode=mode, budget=budget, time_budget=time_budget, batch=batch, seed=seed,
                             resume=resume, finalists=finalists, min_gain=min_gain, progress=progress,
-                            study_prefix=study_prefix)
+                            study_prefix=study_prefix, warm=_warm_configs(spec, full, arch, space, warm_start))
         return _Study(spec, space, evaluator, open_storage(storage), opts,
                       full=full, static=static, bucket=bucket, arch=arch, gpu=gpu).run()
     finally:
         if own_eval:
             evaluator.close()
+
+
+def _warm_configs(spec: KernelSpec, full: dict, arch: str, space: Space,
+                  warm_start: bool | Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """The warm-start configs of a study that its space allows, in order, without repeats."""
+    if warm_start is True:
+        from tkjit.tuning_db import neighbour_configs
+
+        given: Sequence[Mapping[str, Any]] = neighbour_configs(spec, full, arch)
+    else:
+        given = warm_start or ()
+    out: dict[str, dict[str, Any]] = {}
+    for c in given:
+        try:
+            cfg = spec.check_config(full, c, arch)
+        except Exception:  # a winner from an older space, or another static shape's: not this study's
+            continue
+        if config_id(cfg) in space.allowed_ids:
+            out.setdefault(config_id(cfg), cfg)
+    return tuple(out.values())
 
 
 @dataclass(frozen=True)
@@ -434,6 +458,7 @@ class StudyOptions:
     min_gain: float  # a winner must beat the default by this much (and by the noise)
     progress: Callable[[int, int, float | None], None] | None  # (measured, budget, best µs)
     study_prefix: str = ""
+    warm: tuple[dict[str, Any], ...] = ()  # measured after the default, before the sampler's proposals
 
 
 class _Study:
@@ -447,6 +472,7 @@ class _Study:
         self.batch = opts.batch or getattr(getattr(evaluator, "pool", None), "n_jobs", None) or 8
         self.seed, self.finalists, self.min_gain = opts.seed, opts.finalists, opts.min_gain
         self.progress = opts.progress
+        self.warm = opts.warm
         self.rng = random.Random(opts.seed)
         from tkjit.tuning_db import versions
 
@@ -567,6 +593,8 @@ class _Study:
         queue: list[dict] = []
         if did not in busy:
             queue.append(self.space.default)  # the heuristic default is always the first trial
+        # Then the warm start (neighbouring shapes' winners), before the sampler's first proposal.
+        queue += [c for c in self.warm if config_id(c) not in busy and config_id(c) != did]
         if self.mode == "exhaustive":
             queue += [c for c in untried if config_id(c) != did]
         misses = 0
