@@ -269,7 +269,6 @@ def _cast(x=None, *a, **kw):
     (lambda: _cast(None, "e4m3", 32, (1, 128)), "x_block_size=(1, 128)"),
     (lambda: _cast((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)), "e4m3", 32, (1, 128)),
      "x_block_size=(1, 128)"),
-    (lambda: _cast(None, "e4m3", 32, None, True, True, True), "use_packed_ue8m0=True"),
     (lambda: tk.quant.per_token_cast_with_sf_only(torch.zeros(4, 256), "e2m1", 32), "fmt='e2m1'"),
     (lambda: _cast(torch.zeros(4, 200), "e4m3", 32), "hidden (x.shape[1])=200"),
     (lambda: _cast(torch.zeros(3, 1 << 16 + 1), "e4m3", 128), "hidden (x.shape[1])=131072"),
@@ -290,6 +289,8 @@ def test_unsupported_options_raise_not_implemented_naming_the_option(call, optio
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda: _cast(None, "e3m4", 32), tkjit.ShapeError, "fmt must be one of"),
+    (lambda: _cast(None, "e4m3", 32, None, False, True, True), tkjit.ShapeError,
+     "use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True"),
     (lambda: _cast(None, "e4m3", 48), tkjit.ShapeError, "num_per_channels=48 must be one of"),
     (lambda: _cast(torch.zeros(4, 96), "e4m3", 96), tkjit.ShapeError, r"equal to hidden \(96\) when hidden"),
     (lambda: _cast(None, "e4m3", "32"), tkjit.ShapeError, "num_per_channels must be an int"),
@@ -492,6 +493,43 @@ def test_per_token_cast_returns_tile_kernels_layout(reference_kernels, col_major
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(sf, sf_ref)
     only = tk.quant.per_token_cast_with_sf_only(x, "e4m3", group, None, col_major, round_sf)
     assert tuple(only.shape) == shape and (not num_tokens or (only.stride() == strides and torch.equal(only, sf)))
+
+
+def _packed_ref(sf):
+    """TileKernels' reference packing (tile_kernels.torch.cast, step 6), from (num_tokens, num_groups) float32
+    scales: exponent fields padded to align(tokens, 4) x align(groups, 4), int8, viewed as int32, column-major."""
+    bits = sf.view(torch.int32)
+    padded = torch.nn.functional.pad(bits, (0, (-bits.shape[1]) % 4, 0, (-bits.shape[0]) % 4))
+    return (padded >> 23).to(torch.int8).view(torch.int32).T.contiguous().T[: sf.shape[0], :]
+
+
+@pytest.mark.parametrize("num_tokens, hidden, group, round_sf", [
+    (37, 256, 32, True),  # 8 groups: two words per token
+    (5, 576, 128, True),  # 5 groups (partial last): the second word holds one exponent, three zeros
+    (9, 512, 64, False),  # exponents of unrounded scales, truncated (as TileKernels' reference)
+    (4, 1024, 16, True),
+    (0, 256, 32, True),
+])
+def test_per_token_cast_packed_ue8m0_is_tile_kernels_layout(reference_kernels, num_tokens, hidden, group, round_sf):
+    g = torch.Generator().manual_seed(num_tokens + group)
+    x = (torch.randn(num_tokens, hidden, generator=g) * torch.exp(3 * torch.randn(num_tokens, 1, generator=g)))
+    q, sf = tk.quant.per_token_cast(x.bfloat16(), "e4m3", group, None, True, round_sf, True)
+    groups = -(-hidden // group)
+    assert sf.dtype == torch.int32 and tuple(sf.shape) == (num_tokens, -(-groups // 4))
+    if not num_tokens:
+        return
+    assert sf.stride() == (1, -(-num_tokens // 4) * 4)  # column-major, TMA-aligned, as TileKernels
+    q_ref, sf_ref = _cast_ref(x.bfloat16(), group, round_sf)
+    want = _packed_ref(sf_ref)
+    assert torch.equal(sf, want) and sf.stride() == want.stride()
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # Each byte is the exponent of its group's float32 scale: 2^(e - 127) is the scale when rounded.
+    exps = sf.contiguous().view(torch.uint8).view(num_tokens, -1)[:, :groups].to(torch.int32)
+    assert torch.equal(exps, sf_ref.view(torch.int32) >> 23)
+    if round_sf:
+        assert torch.equal(torch.pow(2.0, (exps - 127).float()), sf_ref)
+    only = tk.quant.per_token_cast_with_sf_only(x.bfloat16(), "e4m3", group, None, True, round_sf, True)
+    assert torch.equal(only, sf) and only.stride() == sf.stride()
 
 
 def test_per_token_cast_takes_a_row_strided_x(reference_kernels):

@@ -15,6 +15,8 @@ import torch
 
 from tkjit import torch_ops  # importing it registers torch.ops.tkjit.*
 from tkjit.autograd import SinkhornFunction, plain
+from tkjit.errors import ShapeError
+from tkjit.scales import pack_ue8m0
 from tkjit.torch_ops import encode_config
 
 _ops = torch.ops.tkjit
@@ -74,7 +76,8 @@ def topk_gate(scores: torch.Tensor, k: int, *, config=None) -> torch.Tensor:
 
 
 def per_token_cast(
-    x: torch.Tensor, group: int = 128, *, round_scale: bool = False, col_major_scales: bool = False, config=None
+    x: torch.Tensor, group: int = 128, *, round_scale: bool = False, col_major_scales: bool = False,
+    packed_ue8m0: bool = False, config=None
 ):
     """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales per `group` channels).
 
@@ -84,14 +87,21 @@ def per_token_cast(
     scales is (num_tokens, num_groups) either way. col_major_scales: it is the strided view
     storage[:, :num_tokens].T of a TMA-aligned column-major (num_groups, align(num_tokens, 4))
     buffer (strides (1, align(num_tokens, 4)); padding holds 0), the layout DeepGEMM consumes and
-    TileKernels' `use_tma_aligned_col_major_sf` returns.
+    TileKernels' `use_tma_aligned_col_major_sf` returns. packed_ue8m0 (with col_major_scales): the scales'
+    exponents, four groups per int32, as the int32 view (num_tokens, ceil(num_groups / 4)) of a column-major
+    (ceil(num_groups / 4), align(num_tokens, 4)) buffer (`tkjit.scales.pack_ue8m0`; TileKernels'
+    `use_packed_ue8m0`); exact scales need round_scale.
     """
+    if packed_ue8m0 and not col_major_scales:
+        raise ShapeError("per_token_cast: packed_ue8m0 needs col_major_scales=True (the packed layout is column-major)")
     eager = _eager(x)
     if not col_major_scales:
         op = torch_ops.per_token_cast_impl if eager else _per_token_cast
         return op(x, group, round_scale, encode_config(config))
     op = torch_ops.per_token_cast_colmajor_impl if eager else _per_token_cast_colmajor
     q, storage = op(x, group, round_scale, encode_config(config))
+    if packed_ue8m0:
+        storage = pack_ue8m0(storage)
     return q, storage[:, : x.shape[0]].T
 
 

@@ -345,3 +345,24 @@ def test_partial_group_matches_tile_kernels(hidden, group, col_major):
     assert s.shape == s_tk.shape and s.stride() == s_tk.stride()
     assert torch.allclose(s, s_tk, rtol=1e-6, atol=0)
     assert (q.view(torch.uint8) != q_tk.view(torch.uint8)).float().mean().item() < 1e-3
+
+
+@pytest.mark.parametrize("hidden, group", [(7168, 128), (7168, 32), (576, 128), (2048, 16)])
+def test_packed_ue8m0_matches_tile_kernels(hidden, group):
+    """Packed UE8M0 scales (`use_packed_ue8m0`): the same int32 view, strides and bits as TileKernels'
+    kernel and its torch reference, values bit-exact."""
+    tk = pytest.importorskip("tile_kernels")
+    from tile_kernels.torch import cast as tk_cast
+
+    import tkjit.compat.tile_kernels as tkc
+
+    x = torch.randn(4001, hidden, device="cuda", dtype=torch.bfloat16) * 3
+    q, sf = tkc.quant.per_token_cast(x, "e4m3", group, None, True, True, True)
+    q_tk, sf_tk = tk.quant.per_token_cast(x, "e4m3", group, None, True, True, True)
+    q_ref, sf_ref = tk_cast(x, "e4m3", (1, group), round_sf=True, use_tma_aligned_col_major_sf=True,
+                            use_packed_ue8m0=True)
+    for want in (sf_tk, sf_ref):
+        assert sf.dtype == want.dtype == torch.int32 and sf.shape == want.shape and sf.stride() == want.stride()
+        assert torch.equal(sf, want)
+    assert torch.equal(q.view(torch.uint8), q_tk.view(torch.uint8))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

@@ -7,7 +7,10 @@ per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels return
     scales  (num_tokens, ceil(hidden / num_per_channels)) torch.float32, the dequantisation factors;
             row-major (strides (num_groups, 1)), or with use_tma_aligned_col_major_sf=True the
             column-major view of a (num_groups, align(num_tokens, 4)) buffer: strides
-            (1, align(num_tokens, 4)), the layout DeepGEMM reads.
+            (1, align(num_tokens, 4)), the layout DeepGEMM reads; with use_packed_ue8m0=True as well,
+            torch.int32 (num_tokens, ceil(num_groups / 4)): each scale's exponent byte, four groups per
+            int32, the column-major view of a (ceil(num_groups / 4), align(num_tokens, 4)) buffer
+            (`tkjit.scales.pack_ue8m0`), as TileKernels' reference packs it.
 round_sf rounds each scale up to a power of two. num_per_channels is 16, 32, 64, 128, or hidden (one
 scale per token, hidden a multiple of 64); a partial last group is allowed where tkjit's kernel takes it.
 """
@@ -43,8 +46,9 @@ def _per_token_cast(
         raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts to 'e4m3' only)")
     if x_block_size is not None or isinstance(x, tuple):
         raise missing(fn, FAMILY, f"x_block_size={x_block_size!r} (re-casting a quantised (values, scales) input)")
-    if use_packed_ue8m0:
-        raise missing(fn, FAMILY, "use_packed_ue8m0=True (packed UE8M0 int32 scales)")
+    if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
+        # TileKernels lays packed UE8M0 out column-major only (its reference has no other form).
+        raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
     tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
     hidden = x.shape[1]
     group = as_int(fn, "num_per_channels", num_per_channels)
@@ -60,7 +64,8 @@ def _per_token_cast(
                    {"hidden": "hidden (x.shape[1])", "group": "num_per_channels", "in_dtype": "x.dtype"},
                    {"num_tokens": max(1, x.shape[0])})
     q, sf = ops.per_token_cast(rows_aligned(x), group, round_scale=round_scale,
-                               col_major_scales=bool(use_tma_aligned_col_major_sf))
+                               col_major_scales=bool(use_tma_aligned_col_major_sf),
+                               packed_ue8m0=bool(use_packed_ue8m0))
     return q, sf
 
 
