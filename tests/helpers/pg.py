@@ -75,7 +75,9 @@ def postgres_server() -> Iterator[str]:
         subprocess.run(_as_server_user([str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust",
                                         "--no-sync", "-E", "UTF8"]),
                        check=True, capture_output=True, text=True, timeout=120)
-        opts = f"-c listen_addresses='' -k {sock} -c fsync=off -c max_connections=50"
+        # 200 connections: each worker process holds a pool plus a heartbeat connection, and a worker killed
+        # with -9 (the fleet tests do that) keeps its connections until the server notices the dead socket.
+        opts = f"-c listen_addresses='' -k {sock} -c fsync=off -c max_connections=200"
         subprocess.run(_as_server_user([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", opts,
                                         "-w", "-t", "60", "start"]),
                        check=True, capture_output=True, text=True, timeout=90)
