@@ -120,7 +120,8 @@ parallel)
   IFS=';' read -ra items <<< "$FILES"
   for i in "${!items[@]}"; do  # one file may appear twice, with two selections: logs are numbered
     k=${items[$i]}; f=tests/gpu/test_gpu_${k%%:*}.py; sel=""; [ "$k" != "${k#*:}" ] && sel="${k#*:}"
-    ( TKJIT_JOBS=4 timeout "${TEST_TIMEOUT:-480}" $PYTEST $f ${sel:+-k "$sel"} > "/tmp/pytest_$i.txt" 2>&1
+    # SIGINT first: pytest stops and still prints its failures so far (a KILL loses them), KILL 20 s later
+    ( TKJIT_JOBS=4 timeout -s INT -k 20 "${TEST_TIMEOUT:-480}" $PYTEST $f ${sel:+-k "$sel"} > "/tmp/pytest_$i.txt" 2>&1
       echo "rc=$?" >> "/tmp/pytest_$i.txt" ) &
   done
   wait
