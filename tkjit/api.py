@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tkjit import loader
+from tkjit import envs, loader
 from tkjit.arch import resolve_arch
 from tkjit.build import cache, ensure_entry, reset_cache
 from tkjit.errors import ShapeError, brief
@@ -87,7 +87,7 @@ def _resolve(name: str, shape: dict, arch: str | None, config: Mapping | None) -
     spec = get_spec(name)
     full = spec.canonical_shape(shape)
     arch = resolve_arch(arch)
-    cfg, source = choose_config(spec, full, arch, config)
+    cfg, source = choose_config(spec, full, arch, config, exact=envs.flag(envs.EXACT_MATH))
     static = spec.static_shape(full)
     try:
         ident = (name, tuple(sorted(spec.bucket(full).items())), arch)

@@ -52,9 +52,16 @@ CHECK_INDICES = EnvVar(
     "still never access memory out of bounds: an out-of-range entry is treated as -1 (skipped)",
 )
 
+EXACT_MATH = EnvVar(
+    "TKJIT_EXACT_MATH", "0",
+    "1: kernels whose fastest configs trade the last bits for speed (fast-math exp, reciprocal-multiply "
+    "instead of divide: sinkhorn_fwd, sinkhorn_bwd) serve their IEEE variant instead, the served config "
+    "with the spec's `exact` overrides. Read when a kernel is first resolved in a process",
+)
+
 REGISTRY: tuple[EnvVar, ...] = (
     CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, TUNING_DB, LOG,
-    PRINT_CONFIGS, DISABLE_JIT, CHECK_INDICES,
+    PRINT_CONFIGS, DISABLE_JIT, CHECK_INDICES, EXACT_MATH,
 )
 
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

@@ -270,6 +270,9 @@ class KernelSpec:
     check_shape: Callable[[Shape], str | None] = lambda shape: None  # cross-param rules
     examples: tuple[Shape, ...] = ()  # realistic full shapes: validation, `compile --all-defaults`, bench
     scalars: tuple[ScalarArg, ...] = ()  # run-time scalars, PrimFunc params after the tensors
+    # Config overrides that make the kernel IEEE-exact where its fast configs are not (fast math, reciprocals):
+    # TKJIT_EXACT_MATH=1 serves the chosen config with these applied. Empty: the kernel is always exact.
+    exact: Mapping[str, Any] = field(default_factory=dict)
     source_hash: str = ""
 
     # -- shapes -------------------------------------------------------------------------
@@ -506,6 +509,9 @@ def validate(spec: KernelSpec) -> None:
         for v in vals:
             if not isinstance(v, (int, float, str, bool)):
                 raise SpecError(f"{spec.name}: tunable {k} candidate {v!r} must be int, float, str or bool")
+    for k, v in spec.exact.items():
+        if k not in spec.space or v not in spec.space[k]:
+            raise SpecError(f"{spec.name}: exact override {k}={v!r} is not a candidate of the space")
     arg_names = [t.name for t in (*spec.inputs, *spec.outputs)] + [s.name for s in spec.scalars]
     returned = spec.outputs or [t for t in spec.inputs if t.inout]
     if len(set(arg_names)) != len(arg_names) or not returned or set(arg_names) & set(names):

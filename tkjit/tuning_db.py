@@ -491,20 +491,40 @@ def neighbour_configs(spec: KernelSpec, shape: dict[str, Any], arch: str, limit:
 # writing
 # ----------------------------------------------------------------------------------------------
 def choose_config(
-    spec: KernelSpec, full: dict[str, Any], arch: str, config: Mapping[str, Any] | None
+    spec: KernelSpec, full: dict[str, Any], arch: str, config: Mapping[str, Any] | None, *, exact: bool = False
 ) -> tuple[dict[str, Any], str]:
     """The config to build and where it came from: explicit -> tuned DB (user's, then shipped) ->
-    nearest tuned bucket -> the spec's heuristic default."""
+    nearest tuned bucket -> the spec's heuristic default. exact (TKJIT_EXACT_MATH): a chosen config that
+    uses fast math or reciprocals gets the spec's `exact` overrides (source "...+exact"); an explicit
+    config is the caller's choice and is served as given."""
     if config is not None:
         return spec.check_config(full, config, arch), "explicit"
+    cfg, source = None, "default"
     found = lookup(spec, full, arch)
     if found is not None:
-        cfg, source = found
         try:
-            return spec.check_config(full, cfg, arch), source
+            cfg, source = spec.check_config(full, found[0], arch), found[1]
         except ConfigError as e:  # a DB written for an older space: say so, serve the default
-            warnings.warn(f"tkjit: ignoring tuned config from {source}: {e}", stacklevel=3)
-    return spec.default_config(full, arch), "default"
+            warnings.warn(f"tkjit: ignoring tuned config from {found[1]}: {e}", stacklevel=3)
+    if cfg is None:
+        cfg = spec.default_config(full, arch)
+    if exact and any(cfg.get(k) != v for k, v in spec.exact.items()):
+        return _exact_config(spec, full, arch, cfg), f"{source}+exact"
+    return cfg, source
+
+
+def _exact_config(spec: KernelSpec, full: dict[str, Any], arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """cfg with the spec's exact overrides; where the space does not allow that combination, the allowed
+    config sharing the most tunables with cfg among those that have the overrides."""
+    want = {**cfg, **spec.exact}
+    try:
+        return spec.check_config(full, want, arch)
+    except ConfigError:
+        pass
+    ok = [c for c in spec.configs(full, arch) if all(c.get(k) == v for k, v in spec.exact.items())]
+    if not ok:
+        raise ConfigError(f"{spec.name}: no config of the space has the exact overrides {dict(spec.exact)} on {arch}")
+    return max(ok, key=lambda c: sum(c.get(k) == v for k, v in want.items()))
 
 
 def versions(arch: str) -> dict[str, str]:

@@ -66,3 +66,22 @@ def test_ops_form_and_second_process(tmp_path):
     ref = tkjit.get_spec("sinkhorn_fwd").reference(tkjit.get_spec("sinkhorn_fwd").canonical_shape(
         {"num_tokens": 4001}), x.cpu())
     assert torch.allclose(y.cpu(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_exact_math_variant_keeps_to_the_float32_reference(monkeypatch):
+    """TKJIT_EXACT_MATH=1: the shipped config without fast math or reciprocals, within 1e-6 of float32 torch
+    (the fast default stays within its 1e-5 gate)."""
+    from tkjit import api
+
+    monkeypatch.setenv("TKJIT_EXACT_MATH", "1")
+    api.reset()
+    try:
+        for t in (1, 4096, 1 << 20):
+            k = tkjit.get("sinkhorn_fwd", {"num_tokens": t, "n": 4})
+            assert not k.config["fast_math"] and not k.config["recip"]
+            x = torch.randn(t, 4, 4, device="cuda")
+            ref = k.spec.reference(k.shape, x, dtype=torch.float32)
+            torch.testing.assert_close(k(x), ref, rtol=1e-6, atol=1e-7)
+    finally:
+        monkeypatch.delenv("TKJIT_EXACT_MATH")
+        api.reset()

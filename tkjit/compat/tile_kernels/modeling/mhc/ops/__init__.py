@@ -24,6 +24,8 @@ def sinkhorn_normalize(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> 
     new contiguous tensor of x's shape (TileKernels: `x.contiguous().view(-1, n, n)`, normalised,
     `.view_as(x)`); its gradient runs tkjit's sinkhorn_bwd kernel. Not bit-identical to TileKernels'
     kernel (another order of float operations): within the rtol 1e-5 both keep to the torch reference.
+    tkjit's fastest configs use fast-math exp and reciprocal-multiplies, which move the last bits;
+    TKJIT_EXACT_MATH=1 (set before the first call) serves the same configs with IEEE exp and divisions.
     """
     fn = "modeling.mhc.ops.sinkhorn_normalize"
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != x.shape[-2]:
