@@ -29,11 +29,15 @@ STATIC = [dict(), dict(f="softmax"), dict(f="sqrtsoftplus", k=9), dict(e=72, k=6
 
 
 def test_default_config_every_shape():
+    bad = []  # every shape's result, not only the first mismatch (this test failed once on the H200)
     for kw in STATIC:
         kern = tkjit.get(NAME, _shape(**kw))
         for n in TOKENS:
             for seed in (0, 1):
-                assert check(kern, _shape(**kw, n=n), seed=seed) is None, (kw, n, seed)
+                problem = check(kern, _shape(**kw, n=n), seed=seed)
+                if problem:
+                    bad.append(f"{kw} n={n} seed={seed}: {problem}")
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(e=72, k=6, g=0, kg=0, f="softmax", s=1, d=2, m=True)])
