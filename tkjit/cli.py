@@ -179,6 +179,8 @@ def cmd_specs(args) -> int:
         for k, vals in spec.space.items():
             print(f"         {k}: {list(vals)}")
         print(f"  default at {_compact(ex)}: {_compact(spec.default_config(ex))}")
+        if spec.exact:
+            print(f"  exact  TKJIT_EXACT_MATH=1 serves the chosen config with {_compact(spec.exact)}")
         print()
     return 0
 
