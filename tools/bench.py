@@ -32,14 +32,8 @@ from tkjit.timing import copy_ceiling_gbs, median, rel_spread, time_cuda  # noqa
 def _row(kernel, shape, impl, us, sp, nbytes, ceiling, note=""):
     gbs = nbytes / (us * 1e-6) / 1e9 if us else None
     return {
-        "kernel": kernel,
-        "shape": shape,
-        "impl": impl,
-        "us": us,
-        "spread": sp,
-        "gbs": gbs,
-        "pct_ceiling": 100 * gbs / ceiling if gbs else None,
-        "note": note,
+        "kernel": kernel, "shape": shape, "impl": impl, "us": us, "spread": sp,
+        "gbs": gbs, "pct_ceiling": 100 * gbs / ceiling if gbs else None, "note": note,
     }
 
 
@@ -56,19 +50,12 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
         impls = []
         default_cfg = spec.default_config(full, "sm_90a")
         kd = tkjit.get(name, full, config=default_cfg)
-        sizes = {r: full[r] for r in kd.caller_sized}  # outputs no input sizes (get_fused_mapping's maps)
-        impls.append(
-            ("tkjit default", lambda kd=kd, inputs=inputs, sizes=sizes: kd(*inputs, **sizes), str(default_cfg))
-        )
+        kw = {r: full[r] for r in kd.caller_sized}  # outputs no input sizes (get_fused_mapping's maps)
+        impls.append(("tkjit default", lambda kd=kd, inputs=inputs, kw=kw: kd(*inputs, **kw), str(default_cfg)))
         kt = tkjit.get(name, full)
         if kt.config_source != "default" and kt.config != default_cfg:
-            impls.append(
-                (
-                    f"tkjit {kt.config_source}",
-                    lambda kt=kt, inputs=inputs, sizes=sizes: kt(*inputs, **sizes),
-                    str(kt.config),
-                )
-            )
+            impls.append((f"tkjit {kt.config_source}", lambda kt=kt, inputs=inputs, kw=kw: kt(*inputs, **kw),
+                          str(kt.config)))
         tk = TILE_KERNELS.get(name)
         f = tk(full, inputs) if tk else None
         if f is not None:
@@ -92,16 +79,9 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
 def print_table(rows: list[dict]) -> None:
     header = ["kernel", "shape", "impl", "us", "GB/s", "% ceiling", "spread", "note"]
     body = [
-        [
-            r["kernel"],
-            r["shape"],
-            r["impl"],
-            f"{r['us']:.1f}" if r["us"] else "-",
-            f"{r['gbs']:.0f}" if r["gbs"] else "-",
-            f"{r['pct_ceiling']:.0f}%" if r["pct_ceiling"] else "-",
-            f"{100 * r['spread']:.1f}%" if r["spread"] else "-",
-            r["note"][:70],
-        ]
+        [r["kernel"], r["shape"], r["impl"], f"{r['us']:.1f}" if r["us"] else "-",
+         f"{r['gbs']:.0f}" if r["gbs"] else "-", f"{r['pct_ceiling']:.0f}%" if r["pct_ceiling"] else "-",
+         f"{100 * r['spread']:.1f}%" if r["spread"] else "-", r["note"][:70]]
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
@@ -118,12 +98,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the chart (needs tkjit[plot])")
-    ap.add_argument(
-        "--from-json",
-        default=None,
-        metavar="JSON",
-        help="no run: print the table (and --plot the chart) of a JSON this tool wrote",
-    )
+    ap.add_argument("--from-json", default=None, metavar="JSON",
+                    help="no run: print the table (and --plot the chart) of a JSON this tool wrote")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
     args = ap.parse_args()
     if args.from_json:
@@ -154,18 +130,12 @@ def main() -> int:
     for name in names:
         rows += bench_kernel(name, shapes[name], args.reps, ceiling, not args.no_compile)
     meta = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(0),
-        "copy_ceiling_gbs": round(ceiling, 1),
-        "torch": torch.__version__,
-        "tkjit": tkjit.__version__,
-        "tilelang": tkkey.tilelang_version(),
-        "nvcc": tkkey.nvcc_version(),
+        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+        "copy_ceiling_gbs": round(ceiling, 1), "torch": torch.__version__, "tkjit": tkjit.__version__,
+        "tilelang": tkkey.tilelang_version(), "nvcc": tkkey.nvcc_version(),
     }
-    print(
-        f"# {meta['gpu']}  copy ceiling {ceiling:.0f} GB/s  {meta['date']}  tilelang {meta['tilelang']}  "
-        f"torch {meta['torch']}"
-    )
+    print(f"# {meta['gpu']}  copy ceiling {ceiling:.0f} GB/s  {meta['date']}  tilelang {meta['tilelang']}  "
+          f"torch {meta['torch']}")
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
