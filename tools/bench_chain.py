@@ -3,6 +3,7 @@ reduce_fused, both through TileKernels' API (tkjit's through `tkjit.compat.tile_
 
     python tools/bench_chain.py                      # 8192 tokens, top-8 of 256 experts, hidden 7168, bf16
     python tools/bench_chain.py --tokens 4096 --hidden 4096 --json chain.json
+    python tools/bench_chain.py --graph     # also each step replayed from a CUDA graph: GPU time without the host
 
 Each step and the whole chain are timed as the other benchmarks are (median of CUDA-event runs, L2 flushed
 before each), on fresh random routing (distinct experts per token) and activations. The maps are sized to
@@ -56,6 +57,17 @@ def chain_steps(mod, x, idx, w, num_experts: int, alignment: int):
     return {"get_fused_mapping": mapping, "expand_to_fused": expand, "reduce_fused": reduce, "chain": whole}, state
 
 
+def graphed(fn):
+    """fn captured once into a CUDA graph; the replay runs the same kernels without the host's per-call work,
+    so timing it separates a step's GPU time from its launch path."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -65,6 +77,7 @@ def main() -> int:
     ap.add_argument("--alignment", type=int, default=128)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--graph", action="store_true", help="also time each step replayed from a CUDA graph")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_chain: needs a CUDA GPU", file=sys.stderr)
@@ -87,17 +100,26 @@ def main() -> int:
         same = torch.equal(states["tkjit"]["r"], states["TileKernels"]["r"])
         print(f"combine output, tkjit vs TileKernels: {'bit-exact' if same else 'DIFFERENT'}")
     rows = []
+    modes = ("call", "graph") if a.graph else ("call",)
     for step in ("get_fused_mapping", "expand_to_fused", "reduce_fused", "chain"):
         for name in impls:
-            xs = time_cuda(steps[name][step], reps=a.reps)
-            rows.append({"step": step, "impl": name, "us": median(xs), "spread": rel_spread(xs)})
+            for mode in modes:
+                try:
+                    fn = steps[name][step] if mode == "call" else graphed(steps[name][step])
+                    xs = time_cuda(fn, reps=a.reps)
+                except Exception as e:  # one impl that cannot be captured must not lose the table
+                    print(f"{step} {name} {mode}: {type(e).__name__}: {e}")
+                    continue
+                rows.append({"step": step, "impl": name if mode == "call" else f"{name} (graph)", "us": median(xs),
+                             "spread": rel_spread(xs)})
+    impls = {r["impl"]: None for r in rows}  # the columns: each impl, and its graph replay
     print(f"routing chain: {a.tokens} tokens, top-{a.topk} of {a.experts} experts, alignment {a.alignment}, "
           f"hidden {a.hidden} bf16 ({torch.cuda.get_device_name()})")
-    print(f"{'step':<20} " + " ".join(f"{n:>14}" for n in impls) + ("   speedup" if len(impls) > 1 else ""))
+    print(f"{'step':<20} " + " ".join(f"{n:>20}" for n in impls) + ("   speedup" if "TileKernels" in impls else ""))
     for step in ("get_fused_mapping", "expand_to_fused", "reduce_fused", "chain"):
         us = {r["impl"]: r["us"] for r in rows if r["step"] == step}
-        line = f"{step:<20} " + " ".join(f"{us[n]:>11.1f} us" for n in impls)
-        if "TileKernels" in us:
+        line = f"{step:<20} " + " ".join(f"{us[n]:>17.1f} us" if n in us else f"{'-':>20}" for n in impls)
+        if "TileKernels" in us and "tkjit" in us:
             line += f"   {us['TileKernels'] / us['tkjit']:.2f}x"
         print(line)
     if a.json:

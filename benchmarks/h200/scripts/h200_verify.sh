@@ -145,7 +145,7 @@ chain)
 routing)
   [ -n "$FILES" ] && TEST_TIMEOUT=${TEST_TIMEOUT:-120} bash "$0" parallel
   timeout 100 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1  # compiles its kernels first
-  timeout 30 python tools/bench_chain.py > "$OUT/chain.txt" 2>&1
+  timeout 45 python tools/bench_chain.py --graph > "$OUT/chain.txt" 2>&1
   timeout 60 python tools/bench.py --no-compile --kernels get_fused_mapping top2_sum_gate --json "$OUT/bench.json" \
     > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
   cat "$OUT/hostcost.txt" "$OUT/chain.txt"; tail -n 30 "$OUT/bench.txt"
