@@ -251,3 +251,31 @@ def test_sampler_eval_reports_trials_to_the_best_with_and_without_warm_start():
     assert len(w["warm"]) == 2
     assert m["warm"] <= 3 and m["warm"] * 2 <= m["cold"], m
     assert all(r["trials_to_tol"] is None or r["trials_to_tol"] <= r["trials"] for r in w["cold"]["runs"])
+
+
+def test_each_bench_after_the_first_may_stop_early_above_1_5x_the_best_so_far(spec):
+    """The tuner asks the timer to stop early on a config clearly slower than the best so far."""
+    from tkjit.tuning.tuner import EARLY_STOP
+
+    ev = TableEvaluator(table_for(spec))
+    tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=mem(), warm_start=False)
+    assert ev.stops[0] is None  # nothing measured yet: the default gets the full budget
+    best = ev._time(json.loads(ev.benched[0]))
+    for cid, stop in zip(ev.benched[1:], ev.stops[1:]):
+        assert stop == pytest.approx(best * EARLY_STOP)
+        best = min(best, ev._time(json.loads(cid)))
+
+
+def test_perf_counter_timer_stops_after_a_few_runs_when_clearly_slower():
+    import time
+
+    from tkjit.timing import EARLY_RUNS, PerfCounterTimer
+
+    def run():
+        time.sleep(0.002)
+
+    timer = PerfCounterTimer(warmup=0, min_reps=10, max_reps=50)
+    early = timer.measure(run, budget_s=0.05, context={"stop_above_us": 500.0})
+    full = timer.measure(run, budget_s=0.05, context={"stop_above_us": 1e6})
+    assert len(early) == EARLY_RUNS and len(full) >= 10
+    assert len(timer.measure(run, budget_s=0.05, context={})) >= 10

@@ -88,9 +88,19 @@ def copy_ceiling_gbs(nbytes: int = 1 << 30) -> float:
 # ----------------------------------------------------------------------------------------------
 # budgeted timers (the tuner's bench worker)
 # ----------------------------------------------------------------------------------------------
+EARLY_RUNS = 3  # runs a timer takes before it may stop early (context["stop_above_us"])
+
+
 class Timer(Protocol):
     def measure(self, run: Callable[[], None], *, budget_s: float, context: Mapping[str, Any]) -> list[float]:
-        """Per-run times in µs of `run()`, warm-up excluded. context: kernel, config, shape, device."""
+        """Per-run times in µs of `run()`, warm-up excluded. context: kernel, config, shape, device, and
+        optionally stop_above_us: when the first few runs' median is above it, the timer may return those
+        (the tuner's "clearly slower than the best so far": not worth the full budget)."""
+
+
+def _stops_early(xs: list[float], context: Mapping[str, Any]) -> bool:
+    stop = context.get("stop_above_us")
+    return stop is not None and median(xs) > stop
 
 
 class CudaEventTimer:
@@ -116,8 +126,11 @@ class CudaEventTimer:
         est_s = max(s.elapsed_time(e) / 5e3, 1e-6)
         for _ in range(int(self.warmup_s / est_s)):
             run()
+        first = _event_runs(run, EARLY_RUNS, self.flush)
+        if _stops_early(first, context):
+            return first
         n = max(self.min_reps, min(self.max_reps, int(budget_s / est_s)))
-        return _event_runs(run, n, self.flush)
+        return first + _event_runs(run, max(1, n - EARLY_RUNS), self.flush)
 
 
 class PerfCounterTimer:
@@ -135,6 +148,8 @@ class PerfCounterTimer:
             t0 = time.perf_counter()
             run()
             out.append((time.perf_counter() - t0) * 1e6)
+            if len(out) == EARLY_RUNS and _stops_early(out, context):
+                break
         return out
 
 

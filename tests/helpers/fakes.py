@@ -34,6 +34,7 @@ class TableEvaluator:
         self.compiled: list[str] = []
         self.benched: list[str] = []
         self.retimed: list[list[str]] = []
+        self.stops: list[float | None] = []  # the stop_above_us each bench was given
         self.log_path, self.delay_s = log_path, delay_s
 
     def _time(self, cfg: dict) -> float:
@@ -53,9 +54,10 @@ class TableEvaluator:
     def compile_iter(self, spec, static, configs, arch):
         yield from self.compile(spec, static, configs, arch)
 
-    def bench(self, spec, full, config, arch, seed):
+    def bench(self, spec, full, config, arch, seed, stop_above_us=None):
         cid = config_id(config)
         self.benched.append(cid)
+        self.stops.append(stop_above_us)
         if self.delay_s:
             time.sleep(self.delay_s)
         if self.log_path:

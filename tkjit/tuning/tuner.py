@@ -36,6 +36,7 @@ log = logging.getLogger("tkjit.tuning")
 
 EVAL_FAILS = ("compile", "wrong", "crash", "timeout", "error")  # a measured config that failed
 EXHAUSTIVE_MAX = 64
+EARLY_STOP = 1.5  # a config whose first timed runs are this much slower than the best so far stops early
 _LIVE_OWNERS: set[str] = set()  # tuners running in this process (their RUNNING trials are not stale)
 
 
@@ -46,8 +47,10 @@ class Evaluator(Protocol):
     def compile(self, spec: KernelSpec, static: dict, configs: list[dict], arch: str) -> list[str | None]:
         """Compile (and publish) each config; an error message per config, None when it built."""
 
-    def bench(self, spec: KernelSpec, full: dict, config: dict, arch: str, seed: int) -> dict:
-        """{"ok": True, "us": median} or {"ok": False, "kind": ..., "error": ...}."""
+    def bench(self, spec: KernelSpec, full: dict, config: dict, arch: str, seed: int,
+              stop_above_us: float | None = None) -> dict:
+        """{"ok": True, "us": median} or {"ok": False, "kind": ..., "error": ...}. stop_above_us: the
+        timing may stop after a few runs whose median is above it (the config is clearly slower)."""
 
     def retime(self, spec: KernelSpec, full: dict, configs: list[dict], arch: str) -> list[dict]:
         """Interleaved re-timing: per config {"ok", "us", "spread"}."""
@@ -94,10 +97,10 @@ class LocalEvaluator:
         for _, err in self.pool.compile_iter([(spec.name, static, c, arch, "tuning") for c in configs]):
             yield err
 
-    def bench(self, spec, full, config, arch, seed):
+    def bench(self, spec, full, config, arch, seed, stop_above_us=None):
         from tkjit.tuning.worker import bench_job
 
-        return self.worker.request(bench_job(spec.name, full, config, arch, seed))
+        return self.worker.request(bench_job(spec.name, full, config, arch, seed, stop_above_us=stop_above_us))
 
     def retime(self, spec, full, configs, arch):
         from tkjit.tuning.worker import retime_job
@@ -672,10 +675,16 @@ class _Study:
                 log.info("%s %s: compile failed: %s", self.spec.name, cid, err)
             else:
                 seed = self.rng.randrange(1 << 31)
-                r = self.ev.bench(self.spec, self.full, cfg, self.arch, seed)
+                best = self._best_us()
+                # Clearly slower than the best so far (EARLY_STOP x): a few runs say so, the full budget
+                # would not change the ranking. Finalists are re-timed in full at the end anyway.
+                r = self.ev.bench(self.spec, self.full, cfg, self.arch, seed,
+                                  stop_above_us=None if best is None else best * EARLY_STOP)
                 if r.get("ok"):
                     self.records[cid] = {"ok": True, "us": float(r["us"])}
                     trial.set_user_attr("spread", float(r.get("spread", 0.0)))
+                    if r.get("early_stop"):
+                        trial.set_user_attr("early_stop", True)
                     self._tell(trial, float(r["us"]))
                 else:
                     kind = r.get("kind") if r.get("kind") in EVAL_FAILS else "error"

@@ -150,10 +150,14 @@ class _Child:
         if fail:
             return fail
         ctx = {"kernel": job["kernel"], "config": job["config"], "shape": job["shape"], "device": self.device}
+        if job.get("stop_above_us") is not None:
+            ctx["stop_above_us"] = float(job["stop_above_us"])
         xs = self.timer.measure(run, budget_s=float(job.get("budget_s", self.setup.budget_s)), context=ctx)
         if not xs:
             return {"ok": False, "kind": "error", "error": "timer returned no samples"}
-        return {"ok": True, "us": timing.median(xs), "spread": timing.rel_spread(xs), "n": len(xs)}
+        us = timing.median(xs)
+        early = "stop_above_us" in ctx and us > ctx["stop_above_us"] and len(xs) <= timing.EARLY_RUNS
+        return {"ok": True, "us": us, "spread": timing.rel_spread(xs), "n": len(xs), "early_stop": early}
 
     def retime(self, job: dict) -> dict:
         """Interleaved rounds over the finalists: drift hits every candidate alike."""
