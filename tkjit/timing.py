@@ -98,7 +98,8 @@ class Timer(Protocol):
         (the tuner's "clearly slower than the best so far": not worth the full budget)."""
 
 
-def _stops_early(xs: list[float], context: Mapping[str, Any]) -> bool:
+def stops_early(xs: list[float], context: Mapping[str, Any]) -> bool:
+    """Whether the first EARLY_RUNS samples `xs` are over the context's stop_above_us (the early-stop rule)."""
     stop = context.get("stop_above_us")
     return stop is not None and median(xs) > stop
 
@@ -127,7 +128,7 @@ class CudaEventTimer:
         for _ in range(int(self.warmup_s / est_s)):
             run()
         first = _event_runs(run, EARLY_RUNS, self.flush)
-        if _stops_early(first, context):
+        if stops_early(first, context):
             return first
         n = max(self.min_reps, min(self.max_reps, int(budget_s / est_s)))
         return first + _event_runs(run, max(1, n - EARLY_RUNS), self.flush)
@@ -148,7 +149,7 @@ class PerfCounterTimer:
             t0 = time.perf_counter()
             run()
             out.append((time.perf_counter() - t0) * 1e6)
-            if len(out) == EARLY_RUNS and _stops_early(out, context):
+            if len(out) == EARLY_RUNS and stops_early(out, context):
                 break
         return out
 

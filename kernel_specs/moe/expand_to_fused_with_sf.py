@@ -46,7 +46,7 @@ from tkjit_kernels.moe._fused_rows import ELEM_BYTES as FLOAT_ELEM_BYTES
 from tkjit_kernels.moe._fused_rows import SPACE, ceil_div, geometry, random_mapping
 from tkjit_kernels.moe._fused_rows import constraint as row_constraint
 from tkjit_kernels.moe._fused_rows import default as row_default
-from tkjit_kernels.moe.expand_to_fused import MAX_UNROLLED_K, _bits
+from tkjit_kernels.moe.expand_to_fused import MAX_UNROLLED_K, _bits, arch_constraint, pass_configs
 
 # int8: TileKernels' packed fp4 (e2m1 x 2), uint8: its packed e5m6; copied as bits like the others.
 ELEM_BYTES = {**FLOAT_ELEM_BYTES, "int8": 1, "uint8": 1}
@@ -68,16 +68,6 @@ def default(shape):
 
 def constraint(shape, c):
     return row_constraint(shape["hidden"], ELEM_BYTES[shape["dtype"]], c)
-
-
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "thread-indexed vector copies: CUDA targets only"
-    return None
-
-
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
 
 
 def build(shape, c):

@@ -212,6 +212,9 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
         info = ev.device_info()
         gpu = gpu_model(arch, info.get("gpu"))
         copy_gbps = ev.copy_bandwidth_gbps()
+        # The DB files each winner is merged into as its study ends.
+        targets = ([user_db_path(arch, gpu)] if opts.user_db else []) + (
+            [shipped_db_path(arch, gpu)] if opts.update_shipped else [])
         print(f"tune: {len(resolved)} {'study' if len(resolved) == 1 else 'studies'}, arch {arch}, {gpu}, "
               f"compile jobs {ev.pool.n_jobs}, copy {_fmt(copy_gbps, '.0f')} GB/s", file=log)
         for s, spec, full in resolved:
@@ -246,8 +249,6 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
                 row["pct_copy"] = 100.0 * gbps / copy_gbps
             rows.append(row)
             entries.append(r.db_entry())
-            targets = ([user_db_path(arch, gpu)] if opts.user_db else []) + (
-                [shipped_db_path(arch, gpu)] if opts.update_shipped else [])
             for path in targets:
                 written[write_entries(path, entries[-1:], arch=arch, gpu=gpu)] = None
         # Warm the cache: every served config is published (normally a cache hit from the search).

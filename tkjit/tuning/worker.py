@@ -155,9 +155,9 @@ class _Child:
         xs = self.timer.measure(run, budget_s=float(job.get("budget_s", self.setup.budget_s)), context=ctx)
         if not xs:
             return {"ok": False, "kind": "error", "error": "timer returned no samples"}
-        us = timing.median(xs)
-        early = "stop_above_us" in ctx and us > ctx["stop_above_us"] and len(xs) <= timing.EARLY_RUNS
-        return {"ok": True, "us": us, "spread": timing.rel_spread(xs), "n": len(xs), "early_stop": early}
+        early = len(xs) == timing.EARLY_RUNS and timing.stops_early(xs, ctx)
+        return {"ok": True, "us": timing.median(xs), "spread": timing.rel_spread(xs), "n": len(xs),
+                "early_stop": early}
 
     def retime(self, job: dict) -> dict:
         """Interleaved rounds over the finalists: drift hits every candidate alike."""

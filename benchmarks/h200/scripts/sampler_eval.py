@@ -96,13 +96,11 @@ def warm_start_eval(spec, shape: dict, table: dict[str, float], neighbour: dict[
                     frac: float = 0.3, seeds: int = 5, tol: float = 0.02, arch: str = "sm_90a") -> dict[str, Any]:
     """Trials to come within tol of the best on `table`, without and with a warm start from the `top`
     fastest configs of the `neighbour` table (those the space allows)."""
-    import json as _json
-
     from tkjit.tuning import Space, config_id
 
     space = Space(spec, spec.canonical_shape(shape), arch)
     ranked = sorted((c for c in neighbour if c in space.allowed_ids), key=neighbour.get)
-    warm = [_json.loads(c) for c in ranked[:top]]
+    warm = [json.loads(c) for c in ranked[:top]]
     cold = evaluate(spec, shape, table, frac=frac, seeds=seeds, tol=tol, arch=arch)
     hot = evaluate(spec, shape, table, frac=frac, seeds=seeds, tol=tol, arch=arch, warm=warm)
 
