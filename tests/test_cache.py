@@ -37,3 +37,26 @@ def test_publish_verify_and_quarantine(cache_dir):
 def test_malformed_key_never_becomes_a_path(cache_dir):
     with pytest.raises(tkjit.CacheError):
         Cache().entry_path("../../etc")
+
+
+def test_clear_empties_the_quarantine_in_place(cache_dir):
+    """Two concurrent clears once raced: one removed the quarantine dir while the other checked it.
+
+    clear now empties the dir and keeps it, so a process holding it open still sees the same dir.
+    """
+    import os
+
+    c = Cache()
+    k = "b" * 40
+    e = c.get_or_build(k, {"kernel": "toy"}, _fake_build("x"))
+    (e.path / "kernel.so").write_bytes(b"y" * 100)
+    c.get_or_build(k, {"kernel": "toy"}, _fake_build("z"))  # quarantines the changed entry
+    qdir = c.base / "quarantine"
+    assert len(list(qdir.iterdir())) == 1
+    fd = os.open(qdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        c.clear()
+        assert os.fstat(fd).st_nlink > 0, "clear removed the quarantine dir instead of emptying it"
+    finally:
+        os.close(fd)
+    assert list(qdir.iterdir()) == []

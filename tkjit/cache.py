@@ -754,9 +754,23 @@ class Cache:
             elif os.path.lexists(self.entry_path(k)):  # not merely removed by someone else meanwhile
                 skipped.append(k)
         self.clean_staging()
-        shutil.rmtree(self._dir("quarantine"), ignore_errors=True)
-        private_dir(self._dir("quarantine"))
+        self._empty_quarantine()
         return Cleared(removed, tuple(skipped))
+
+    def _empty_quarantine(self) -> None:
+        """Remove what the quarantine holds, never the dir itself.
+
+        Removing and re-creating it let a concurrent clear (or quarantine) find it missing in
+        between: the other process's check failed, or its rename into it did.
+        """
+        qdir = private_dir(self._dir("quarantine"))
+        with contextlib.suppress(FileNotFoundError):
+            for p in list(os.scandir(qdir)):
+                if p.is_dir(follow_symlinks=False):
+                    shutil.rmtree(p.path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p.path)
 
     def total_bytes(self) -> int:
         return sum(int(r.get("size", 0)) for r in self.entries())
