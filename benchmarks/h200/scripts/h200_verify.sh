@@ -20,6 +20,10 @@
 #             # get_fused_mapping / top2_sum_gate benchmark (kernel plans for optional inputs, caller sizes)
 #   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #             # short, host cost, and the transpose / per_token_cast benchmark
+#   profile   # where launch-bound calls spend their time ($KERNELS, default the routing counters),
+#             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py)
+#   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
+#             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
 # Every step has its own time limit so one slow step cannot lose the others' results.
 # Paths below are from the repository root (tests/, tools/, .gpu/), wherever the script is started from.
@@ -165,6 +169,22 @@ catalog)
   fi
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
   [ -f "$OUT/pretune.txt" ] && tail -n 30 "$OUT/pretune.txt"; [ -f "$OUT/bench.txt" ] && tail -n 40 "$OUT/bench.txt"
+  ;;
+profile)
+  timeout "${PROFILE_TIMEOUT:-70}" python benchmarks/h200/scripts/profile_calls.py \
+    --kernels ${KERNELS:-get_fused_mapping aux_fi group_count} --json "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
+  echo "rc=$?" >> "$OUT/profile.txt"; grep -E "^==|event|api/call|kernels us|rc=" "$OUT/profile.txt"
+  ;;
+tune)
+  timeout "${TUNE_TIMEOUT:-170}" python tools/pretune.py --kernels "$KERNELS" --update-shipped \
+    --time-budget "${TUNE_BUDGET:-8}" --json "$OUT/pretune.json" > "$OUT/pretune.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pretune.txt"; cp tkjit/tuning_db_data/sm_90a/NVIDIA_H200.json "$OUT/" 2>/dev/null
+  BENCH=${BENCH:-$KERNELS}
+  timeout "${BENCH_TIMEOUT:-100}" python tools/bench.py $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
+    --kernels ${BENCH//,/ } --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
+  timeout 50 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
+  timeout 30 python tools/bench_chain.py --graph > "$OUT/chain.txt" 2>&1
+  tail -n 25 "$OUT/pretune.txt"; tail -n 60 "$OUT/bench.txt"; cat "$OUT/hostcost.txt" "$OUT/chain.txt"
   ;;
 final)  # what the two stages above left: the fixed autograd test, the rest of the files, launch floor
   timeout 60 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k autograd > "$OUT/pytest_final.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_final.txt"
