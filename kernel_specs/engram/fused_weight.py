@@ -120,7 +120,7 @@ SPEC = register(
             Static("hidden_size", lo=1, hi=MAX_HIDDEN, doc="the weights' columns"),
         ),
         space={
-            "block_elems": (256, 512, 1024, 2048, 4096, 8192),
+            "block_elems": (128, 256, 512, 1024, 2048, 4096, 8192),
             "threads": (32, 64, 128, 256),
             "vec": (1, 2, 4, 8),
         },
