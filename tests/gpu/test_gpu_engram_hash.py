@@ -15,6 +15,7 @@ NAME = "engram_hash"
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 # (max_ngram_size, num_ngram_layers, num_embed_table_per_ngram): TileKernels' defaults first.
 SHAPES = [(3, 2, 8), (2, 1, 3), (4, 3, 6), (3, 1, 1), (5, 2, 16), (8, 4, 64)]
+ORACLE_SHAPES = SHAPES[:-1]  # TileKernels keeps 3 x 448 ints per thread at the last one: not a shape to hold it to
 
 
 def _shape(n=3, layers=2, e=8, t=4001):
@@ -45,7 +46,7 @@ def test_default_config_and_empty_batch(n, layers, e):
     assert out.shape == (layers, 0, (n - 1) * e)
 
 
-@pytest.mark.parametrize("n, layers, e", SHAPES)
+@pytest.mark.parametrize("n, layers, e", ORACLE_SHAPES)
 def test_tile_kernels_is_the_oracle(n, layers, e):
     tk = pytest.importorskip("tile_kernels")
     from tile_kernels.torch.engram import engram_hash_ref, make_offsets
