@@ -24,4 +24,6 @@ INDEX = {
     "per_token_cast_colmajor": "tkjit_kernels.quant.per_token_cast",
     "transpose": "tkjit_kernels.transpose.transpose",
     "batched_transpose": "tkjit_kernels.transpose.transpose",
+    "engram_hash": "tkjit_kernels.engram.engram_hash",
+    "fused_weight": "tkjit_kernels.engram.fused_weight",
 }

@@ -46,6 +46,7 @@ SERVED = {
     "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize"},
+    "engram": {"engram_hash", "fused_weight"},
 }
 FAMILY = {"engram": "engram", "modeling.engram": "engram", "modeling.mhc": "mhc", "modeling.mhc.ops": "mhc",
           "moe": "moe", "quant": "quant"}

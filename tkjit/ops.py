@@ -260,3 +260,23 @@ def top2_sum_gate(logits: torch.Tensor, bias: torch.Tensor, num_topk: int, num_t
     if _eager(*tensors):
         return torch_ops.top2_sum_gate_impl(*args)
     return torch.ops.tkjit.top2_sum_gate.default(*args)
+
+
+def engram_hash(ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor,
+                offsets: torch.Tensor, *, config=None) -> torch.Tensor:
+    """Engram's n-gram hash embedding indices (TileKernels' `engram.engram_hash`): ngram_token_ids
+    (num_tokens, N) int32, multipliers (L, N) int64, vocab_sizes (L, N - 1, E) int32, offsets
+    (L, (N - 1) * E) int32 -> int32 (L, num_tokens, (N - 1) * E): the xor of the wrapping int64 products
+    id * multiplier over the n-gram's tokens, floor-mod each table's size, plus its offset; bit-exact."""
+    if _eager(ngram_token_ids, multipliers, vocab_sizes, offsets):
+        return torch_ops.engram_hash_impl(ngram_token_ids, multipliers, vocab_sizes, offsets, encode_config(config))
+    return torch.ops.tkjit.engram_hash.default(ngram_token_ids, multipliers, vocab_sizes, offsets,
+                                               encode_config(config))
+
+
+def fused_weight(weight_hidden: torch.Tensor, weight_embed: torch.Tensor, *, config=None) -> torch.Tensor:
+    """(hc_mult, hidden_size) bfloat16 weights -> float32 weight_hidden * weight_embed (TileKernels'
+    `engram.fused_weight`), bit-identical to torch's float32 product."""
+    if _eager(weight_hidden, weight_embed):
+        return torch_ops.fused_weight_impl(weight_hidden, weight_embed, encode_config(config))
+    return torch.ops.tkjit.fused_weight.default(weight_hidden, weight_embed, encode_config(config))

@@ -806,3 +806,67 @@ def _(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
     p = num_topk + shape["num_shared_experts"]
     return (logits.new_empty((logits.shape[0], p), dtype=torch.int64),
             logits.new_empty((logits.shape[0], p), dtype=torch.float32))
+
+
+# -- engram_hash / fused_weight ----------------------------------------------------------------------
+
+_ENGRAM_HASH_INPUTS = (("ngram_token_ids", 2), ("multipliers", 2), ("vocab_sizes", 3), ("offsets", 2))
+
+
+def _engram_hash_static(ngram_token_ids, multipliers, vocab_sizes, offsets) -> dict:
+    """The static shape (N, L, E) read off ngram_token_ids and vocab_sizes; the other tensors are checked
+    against it by the kernel (or _fake_check)."""
+    for (name, ndim), t in zip(_ENGRAM_HASH_INPUTS, (ngram_token_ids, multipliers, vocab_sizes, offsets)):
+        _need(t, (ndim,), f"engram_hash: {name}")
+    return {"max_ngram_size": int(ngram_token_ids.shape[1]), "num_ngram_layers": int(vocab_sizes.shape[0]),
+            "num_embed_table_per_ngram": int(vocab_sizes.shape[2])}
+
+
+def engram_hash_impl(ngram_token_ids, multipliers, vocab_sizes, offsets, config=None):
+    """ngram_token_ids (num_tokens, N) int32, multipliers (L, N) int64, vocab_sizes (L, N - 1, E) int32,
+    offsets (L, (N - 1) * E) int32 -> int32 (L, num_tokens, (N - 1) * E) embedding indices. Table sizes
+    < 1 are refused with TKJIT_CHECK_INDICES=1 (one device sync)."""
+    static = _engram_hash_static(ngram_token_ids, multipliers, vocab_sizes, offsets)
+    check_indices("engram_hash", "vocab_sizes", vocab_sizes, 1 << 31, lo=1)
+    shape = {"num_tokens": max(1, ngram_token_ids.shape[0]), **static}
+    kern = get("engram_hash", shape, arch=arch_of(ngram_token_ids), config=_config(config))
+    return kern(ngram_token_ids, multipliers, vocab_sizes, offsets)
+
+
+engram_hash = torch.library.custom_op(
+    "tkjit::engram_hash", mutates_args=(),
+    schema="(Tensor ngram_token_ids, Tensor multipliers, Tensor vocab_sizes, Tensor offsets, str? config=None) "
+           "-> Tensor",
+)(engram_hash_impl)
+
+
+@engram_hash.register_fake
+def _(ngram_token_ids, multipliers, vocab_sizes, offsets, config=None):
+    static = _engram_hash_static(ngram_token_ids, multipliers, vocab_sizes, offsets)
+    _fake_check("engram_hash", static, ngram_token_ids, multipliers, vocab_sizes, offsets)
+    cols = (static["max_ngram_size"] - 1) * static["num_embed_table_per_ngram"]
+    return ngram_token_ids.new_empty((static["num_ngram_layers"], ngram_token_ids.shape[0], cols), dtype=torch.int32)
+
+
+def _fused_weight_static(weight_hidden, weight_embed) -> dict:
+    _need(weight_hidden, (2,), "fused_weight: weight_hidden")
+    _need(weight_embed, (2,), "fused_weight: weight_embed")
+    return {"hc_mult": int(weight_hidden.shape[0]), "hidden_size": int(weight_hidden.shape[1])}
+
+
+def fused_weight_impl(weight_hidden, weight_embed, config=None):
+    """weight_hidden, weight_embed (hc_mult, hidden_size) bfloat16 -> their float32 product, same shape."""
+    shape = _fused_weight_static(weight_hidden, weight_embed)
+    return get("fused_weight", shape, arch=arch_of(weight_hidden), config=_config(config))(weight_hidden, weight_embed)
+
+
+fused_weight = torch.library.custom_op(
+    "tkjit::fused_weight", mutates_args=(),
+    schema="(Tensor weight_hidden, Tensor weight_embed, str? config=None) -> Tensor",
+)(fused_weight_impl)
+
+
+@fused_weight.register_fake
+def _(weight_hidden, weight_embed, config=None):
+    _fake_check("fused_weight", _fused_weight_static(weight_hidden, weight_embed), weight_hidden, weight_embed)
+    return weight_hidden.new_empty(tuple(weight_hidden.shape), dtype=torch.float32)

@@ -494,3 +494,42 @@ SHAPES["top2_sum_gate"] = [
     {"num_tokens": n, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4} for n in (8192, 65536)
 ] + [{"num_tokens": 8192, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4,
       "scoring_func": "softmax"}]
+
+
+# -- engram_hash, fused_weight ------------------------------------------------------------------------
+# TileKernels ships no benchmark for these: its kernels' defaults (3-grams, 2 layers, 8 tables per n-gram)
+# at prefill-sized batches, and the gate's weights at mHC rate 4 and V3 / smaller hidden sizes.
+
+def _engram_hash_torch(shape):
+    from tkjit_kernels.engram.engram_hash import reference
+
+    return lambda *inputs: reference(shape, *inputs)  # plain torch: int64 products, xor, remainder
+
+
+def _engram_hash_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.engram import engram_hash
+
+    return lambda: engram_hash(*inputs)
+
+
+def _fused_weight_torch(shape):
+    return lambda wh, we: wh.float() * we.float()
+
+
+def _fused_weight_tk(shape, inputs):
+    if _tile_kernels() is None or shape["hidden_size"] % 256:
+        return None  # TileKernels' fused_weight takes multiples of 256 only
+    from tile_kernels.engram import fused_weight
+
+    return lambda: fused_weight(*inputs)
+
+
+TORCH.update({"engram_hash": _engram_hash_torch, "fused_weight": _fused_weight_torch})
+TILE_KERNELS.update({"engram_hash": _engram_hash_tk, "fused_weight": _fused_weight_tk})
+SHAPES.update({
+    "engram_hash": [{"num_tokens": n, "max_ngram_size": 3, "num_ngram_layers": 2, "num_embed_table_per_ngram": 8}
+                    for n in (4096, 8192, 65536)],
+    "fused_weight": [{"hc_mult": 4, "hidden_size": h} for h in (7168, 4096)],
+})

@@ -1,17 +1,38 @@
-"""TileKernels' `engram` kernels: tkjit has none yet (each raises NotImplementedError naming it)."""
+"""TileKernels' `engram` kernels. tkjit serves `engram_hash` and `fused_weight`; the others
+(`engram_gate_fwd`, `engram_gate_bwd`, `grad_w_reduce`) raise NotImplementedError naming them."""
 
 from __future__ import annotations
 
 import torch
 
-from tkjit.compat.tile_kernels._support import missing
+from tkjit import ops
+from tkjit.compat.tile_kernels._support import missing, require_kernel, rows_aligned, tensor
+from tkjit.errors import ShapeError, TensorError
 
 FAMILY = "engram"
 __all__ = ["fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce", "engram_hash"]
 
 
 def fused_weight(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
-    raise missing("engram.fused_weight", FAMILY)
+    """weight_hidden * weight_embed in float32: both (hc_mult, hidden_size) bfloat16, hidden_size a
+    multiple of 256 (TileKernels asserts it) -> a new contiguous (hc_mult, hidden_size) float32 tensor,
+    bit-identical to torch's `weight_hidden.float() * weight_embed.float()` (IEEE, subnormals kept)."""
+    fn = "engram.fused_weight"
+    tensor(fn, "weight_hidden", weight_hidden, (2,), (torch.bfloat16,))
+    tensor(fn, "weight_embed", weight_embed, (2,), (torch.bfloat16,))
+    if weight_embed.shape != weight_hidden.shape:
+        raise TensorError(f"tile_kernels.{fn}: weight_embed has shape {tuple(weight_embed.shape)}, weight_hidden "
+                          f"{tuple(weight_hidden.shape)}: they must be equal")
+    hc_mult, hidden_size = weight_hidden.shape
+    if hidden_size % 256:
+        raise ShapeError(f"tile_kernels.{fn}: hidden_size (weight_hidden.shape[1] = {hidden_size}) must be a "
+                         "multiple of 256")
+    if weight_hidden.numel() == 0:  # nothing to launch
+        return torch.empty((hc_mult, hidden_size), dtype=torch.float32, device=weight_hidden.device)
+    require_kernel(fn, FAMILY, "fused_weight", {"hc_mult": hc_mult, "hidden_size": hidden_size},
+                   {"hc_mult": "hc_mult (weight_hidden.shape[0])",
+                    "hidden_size": "hidden_size (weight_hidden.shape[1])"})
+    return ops.fused_weight(rows_aligned(weight_hidden.contiguous()), rows_aligned(weight_embed.contiguous()))
 
 
 def engram_gate_fwd(
@@ -57,6 +78,45 @@ def engram_hash(
     vocab_sizes: torch.Tensor,
     offsets: torch.Tensor,
 ) -> torch.Tensor:
-    raise missing("engram.engram_hash", FAMILY)
+    """Engram's n-gram hash embedding indices, bit-identical to TileKernels (and its torch reference).
+
+    ngram_token_ids (num_tokens, N) int32, multipliers (L, N) int64, vocab_sizes (L, N - 1, E) int32,
+    offsets (L, (N - 1) * E) int32 -> a new contiguous (L, num_tokens, (N - 1) * E) int32 tensor: for
+    n = 1 .. N - 1 the xor of the wrapping int64 products ngram_token_ids[:, k] * multipliers[l, k],
+    k <= n, floor-mod each of the E table sizes of the (n + 1)-gram, plus the table's offset (wrapping
+    in int32). Table sizes must be positive (TileKernels divides by them; tkjit's kernel divides by 1
+    for a size of 0 or -1 instead of faulting, and with TKJIT_CHECK_INDICES=1 refuses sizes < 1).
+    """
+    fn = "engram.engram_hash"
+    tensor(fn, "ngram_token_ids", ngram_token_ids, (2,), (torch.int32,))
+    tensor(fn, "multipliers", multipliers, (2,), (torch.int64,))
+    tensor(fn, "vocab_sizes", vocab_sizes, (3,), (torch.int32,))
+    tensor(fn, "offsets", offsets, (2,), (torch.int32,))
+    num_tokens, n = ngram_token_ids.shape
+    layers, _, e = vocab_sizes.shape
+    if n < 2:
+        raise ShapeError(f"tile_kernels.{fn}: max_ngram_size (ngram_token_ids.shape[1] = {n}) must be >= 2")
+    if layers < 1 or e < 1:
+        raise ShapeError(f"tile_kernels.{fn}: vocab_sizes has shape {tuple(vocab_sizes.shape)}: num_ngram_layers "
+                         "and num_embed_table_per_ngram (axes 0 and 2) must be >= 1")
+    cols = (n - 1) * e
+    for name, t, want in (("multipliers", multipliers, (layers, n)), ("vocab_sizes", vocab_sizes, (layers, n - 1, e)),
+                          ("offsets", offsets, (layers, cols))):
+        if tuple(t.shape) != want:
+            raise TensorError(f"tile_kernels.{fn}: {name} has shape {tuple(t.shape)}, expected {want} "
+                              f"(num_ngram_layers={layers}, max_ngram_size={n}, num_embed_table_per_ngram={e})")
+    if num_tokens == 0:  # as TileKernels: nothing to launch
+        return torch.empty((layers, 0, cols), dtype=torch.int32, device=ngram_token_ids.device)
+    names = {"max_ngram_size": "max_ngram_size (ngram_token_ids.shape[1])",
+             "num_ngram_layers": "num_ngram_layers (vocab_sizes.shape[0])",
+             "num_embed_table_per_ngram": "num_embed_table_per_ngram (vocab_sizes.shape[2])",
+             "num_tokens": "num_tokens (ngram_token_ids.shape[0])"}
+    require_kernel(fn, FAMILY, "engram_hash", {"max_ngram_size": n, "num_ngram_layers": layers,
+                                               "num_embed_table_per_ngram": e}, names, {"num_tokens": num_tokens})
+    if layers * num_tokens * cols >= 1 << 31:
+        raise missing(fn, FAMILY, f"num_tokens={num_tokens} (an output of {layers * num_tokens * cols} elements: "
+                                  "tkjit's kernel indexes at most 2**31 - 1)")
+    return ops.engram_hash(ngram_token_ids.contiguous(), multipliers.contiguous(),
+                           rows_aligned(vocab_sizes.contiguous()), rows_aligned(offsets.contiguous()))
 
 

@@ -1,5 +1,6 @@
-"""TileKernels' `modeling.engram`: the fused Engram gate. tkjit has no Engram kernels yet: applying
-`EngramGateFn` (or `engram_gate`) raises NotImplementedError naming it."""
+"""TileKernels' `modeling.engram`: the fused Engram gate. tkjit serves its weight fusion
+(`engram.fused_weight`) but not the gate's forward and backward kernels yet: applying `EngramGateFn`
+(or `engram_gate`) raises NotImplementedError naming it."""
 
 from __future__ import annotations
 
