@@ -24,4 +24,6 @@ INDEX = {
     "per_token_cast_colmajor": "tkjit_kernels.quant.per_token_cast",
     "transpose": "tkjit_kernels.transpose.transpose",
     "batched_transpose": "tkjit_kernels.transpose.transpose",
+    "cast_back": "tkjit_kernels.quant.cast_back",
+    "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
 }
