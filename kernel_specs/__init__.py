@@ -26,4 +26,6 @@ INDEX = {
     "batched_transpose": "tkjit_kernels.transpose.transpose",
     "engram_hash": "tkjit_kernels.engram.engram_hash",
     "fused_weight": "tkjit_kernels.engram.fused_weight",
+    "cast_back": "tkjit_kernels.quant.cast_back",
+    "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
 }

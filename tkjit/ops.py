@@ -280,3 +280,30 @@ def fused_weight(weight_hidden: torch.Tensor, weight_embed: torch.Tensor, *, con
     if _eager(weight_hidden, weight_embed):
         return torch_ops.fused_weight_impl(weight_hidden, weight_embed, encode_config(config))
     return torch.ops.tkjit.fused_weight.default(weight_hidden, weight_embed, encode_config(config))
+
+
+def cast_back(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[int, int] = (1, 128), *,
+              out_dtype: torch.dtype = torch.bfloat16, config=None) -> torch.Tensor:
+    """Dequantise: x (num_tokens, hidden) float8_e4m3fn, or int8 (num_tokens, hidden / 2) holding two FP4 e2m1
+    codes per byte (low nibble first, TileKernels' packing), times its scales -> (num_tokens, hidden) out_dtype
+    (bfloat16 or float32), one float32 multiply rounded once, bit-exact (TileKernels' `cast_back`).
+    block_size = (block_tokens, block_channels): tokens and channels per scale, (1, 128) per token and group.
+    sf holds the scales as (ceil(num_tokens / block_tokens), ceil(hidden / block_channels)): float32 row-major
+    (rows at any stride), or column-major (sf.stride(0) == 1, e.g. per_token_cast's col_major_scales view),
+    float32 or, with packed_ue8m0's layout, int32 of four UE8M0 exponents (ceil(num_sf_cols / 4) columns).
+    The layout is read off sf's strides, as TileKernels does."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ShapeError(f"cast_back: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise ShapeError(f"cast_back: block_size must be (block_tokens, block_channels), got {block_size!r}")
+    torch_ops._need(sf, (2,), "cast_back")
+    bt, bc = block_size
+    od = "bfloat16" if out_dtype == torch.bfloat16 else "float32"
+    cfg = encode_config(config)
+    if sf.stride(0) == 1:  # column-major: the kernel reads the storage view, whose rows are sf's columns
+        if _eager(x, sf):
+            return torch_ops.cast_back_colmajor_impl(x, sf.T, bt, bc, od, cfg)
+        return torch.ops.tkjit.cast_back_colmajor.default(x, sf.T, bt, bc, od, cfg)
+    if _eager(x, sf):
+        return torch_ops.cast_back_impl(x, sf, bt, bc, od, cfg)
+    return torch.ops.tkjit.cast_back.default(x, sf, bt, bc, od, cfg)

@@ -11,6 +11,8 @@
     torch.ops.tkjit.inplace_unique_group_indices(group_indices, num_groups, config=None)   # in place, None
     torch.ops.tkjit.top2_sum_gate(logits, bias, num_topk, ..., scoring_func, mask=None, to_physical_map=None,
                                   logical_count=None, config=None)                 # (topk_idx, topk_weights)
+    torch.ops.tkjit.cast_back(x, sf, block_tokens=1, block_channels=128, out_dtype='bfloat16', config=None)
+    torch.ops.tkjit.cast_back_colmajor(x, sf_storage, ...)                          # column-major scales' s.T
 
 Each op's real implementation is `tkjit.get(...)(...)`: the shape is read off the tensors, the kernel
 comes from the memo, the disk cache or a compile. Its fake implementation computes the outputs'
@@ -870,3 +872,75 @@ fused_weight = torch.library.custom_op(
 def _(weight_hidden, weight_embed, config=None):
     _fake_check("fused_weight", _fused_weight_static(weight_hidden, weight_embed), weight_hidden, weight_embed)
     return weight_hidden.new_empty(tuple(weight_hidden.shape), dtype=torch.float32)
+
+
+# -- cast_back ---------------------------------------------------------------------------------------
+
+_CAST_BACK_SCHEMA = ("(Tensor x, Tensor sf, int block_tokens=1, int block_channels=128, str out_dtype='bfloat16', "
+                     "str? config=None) -> Tensor")
+_CAST_BACK_FMT = {torch.float8_e4m3fn: "e4m3", torch.int8: "e2m1"}  # int8: two FP4 e2m1 codes per byte
+
+
+def _cast_back_static(name, x, sf, block_tokens, block_channels, out_dtype) -> dict:
+    """The static shape: hidden is the logical width (twice x's for packed e2m1), or TensorError naming x / sf."""
+    _need(x, (2,), name)
+    _need(sf, (2,), name)
+    fmt = _CAST_BACK_FMT.get(x.dtype)
+    if fmt is None:
+        raise TensorError(f"{name}: x must be float8_e4m3fn, or int8 holding two FP4 e2m1 codes per byte; "
+                          f"got {x.dtype}")
+    if sf.dtype not in (torch.float32, torch.int32):
+        raise TensorError(f"{name}: sf must be float32, or int32 packed UE8M0 exponents; got {sf.dtype}")
+    return {"hidden": int(x.shape[1]) * (2 if fmt == "e2m1" else 1), "block_tokens": block_tokens,
+            "block_channels": block_channels, "in_fmt": fmt, "out_dtype": out_dtype, "sf_dtype": dtype_name(sf.dtype)}
+
+
+def _cast_back(name, x, sf, block_tokens, block_channels, out_dtype, config):
+    static = _cast_back_static(name, x, sf, block_tokens, block_channels, out_dtype)
+    n, rows = x.shape[0], sf.shape[1 if name == "cast_back_colmajor" else 0]
+    if type(block_tokens) is int and block_tokens >= 1 and rows != -(-n // block_tokens):
+        raise TensorError(f"{name}: sf has {rows} token rows, expected ceil(num_tokens / block_tokens) = "
+                          f"ceil({n} / {block_tokens}) = {-(-n // block_tokens)} (sf shape {tuple(sf.shape)})")
+    shape = {"num_tokens": max(1, n), "num_sf_rows": max(1, rows), **static}
+    return get(name, shape, arch=arch_of(x), config=_config(config))(x, sf)
+
+
+def _fake_cast_back(name, x, sf, block_tokens, block_channels, out_dtype):
+    static = _cast_back_static(name, x, sf, block_tokens, block_channels, out_dtype)
+    _fake_check(name, static, x, sf)
+    rows = sf.shape[1 if name == "cast_back_colmajor" else 0]
+    torch._check(rows == (x.shape[0] + block_tokens - 1) // block_tokens,
+                 lambda: f"{name}: sf's token rows must be ceil(num_tokens / block_tokens)")
+    return x.new_empty((x.shape[0], static["hidden"]), dtype=torch_dtype(out_dtype))
+
+
+def cast_back_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    """FP8 e4m3 (num_tokens, hidden) or packed FP4 e2m1 int8 (num_tokens, hidden / 2) values and float32 scales
+    (ceil(num_tokens / block_tokens), ceil(hidden / block_channels)), row-major (rows at any stride)
+    -> (num_tokens, hidden) bfloat16 / float32: values * scales, bit-exact."""
+    return _cast_back("cast_back", x, sf, block_tokens, block_channels, out_dtype, config)
+
+
+cast_back = torch.library.custom_op("tkjit::cast_back", mutates_args=(), schema=_CAST_BACK_SCHEMA)(cast_back_impl)
+
+
+@cast_back.register_fake
+def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    return _fake_cast_back("cast_back", x, sf, block_tokens, block_channels, out_dtype)
+
+
+def cast_back_colmajor_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    """cast_back with column-major scales given as their storage view: sf is s.T for the column-major
+    (num_sf_rows, ...) scales s, i.e. (num_sf_cols, num_sf_rows) float32, or (ceil(num_sf_cols / 4), num_sf_rows)
+    int32 packed UE8M0, rows at any stride."""
+    return _cast_back("cast_back_colmajor", x, sf, block_tokens, block_channels, out_dtype, config)
+
+
+cast_back_colmajor = torch.library.custom_op(
+    "tkjit::cast_back_colmajor", mutates_args=(), schema=_CAST_BACK_SCHEMA
+)(cast_back_colmajor_impl)
+
+
+@cast_back_colmajor.register_fake
+def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    return _fake_cast_back("cast_back_colmajor", x, sf, block_tokens, block_channels, out_dtype)

@@ -533,3 +533,47 @@ SHAPES.update({
                     for n in (4096, 8192, 65536)],
     "fused_weight": [{"hc_mult": 4, "hidden_size": h} for h in (7168, 4096)],
 })
+
+
+# -- cast_back (FP8 / FP4 dequantisation; float32 row-major, column-major and packed UE8M0 scales) ------------
+
+def _cast_back_torch(col_major):
+    def make(shape):
+        from tkjit_kernels.quant.cast_back import reference, reference_colmajor
+
+        ref = reference_colmajor if col_major else reference
+        return lambda x, sf: ref(shape, x, sf)  # plain torch eager: decode, expand the scales, multiply
+
+    return make
+
+
+def _cast_back_tk(col_major):
+    def make(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.quant import cast_back
+
+        x, sf = inputs
+        sf = sf.T if col_major else sf  # the column-major (num_sf_rows, ...) view TileKernels takes
+        fmt = "bf16" if shape["out_dtype"] == "bfloat16" else "fp32"
+        return lambda: cast_back((x, sf), fmt, (shape["block_tokens"], shape["block_channels"]))
+
+    return make
+
+
+TORCH.update({"cast_back": _cast_back_torch(False), "cast_back_colmajor": _cast_back_torch(True)})
+TILE_KERNELS.update({"cast_back": _cast_back_tk(False), "cast_back_colmajor": _cast_back_tk(True)})
+SHAPES.update({
+    "cast_back": [
+        {"num_tokens": n, "num_sf_rows": n, "hidden": 7168, "block_channels": 128} for n in (4096, 32768)
+    ] + [
+        {"num_tokens": 4096, "num_sf_rows": 32, "hidden": 7168, "block_tokens": 128, "block_channels": 128},
+        {"num_tokens": 4096, "num_sf_rows": 4096, "hidden": 7168, "block_channels": 128, "out_dtype": "float32"},
+        {"num_tokens": 4096, "num_sf_rows": 4096, "hidden": 7168, "block_channels": 32, "in_fmt": "e2m1"},
+    ],
+    "cast_back_colmajor": [
+        {"num_tokens": 32768, "num_sf_rows": 32768, "hidden": 7168, "block_channels": 128},
+        {"num_tokens": 32768, "num_sf_rows": 32768, "hidden": 7168, "block_channels": 32, "in_fmt": "e2m1",
+         "sf_dtype": "int32"},
+    ],
+})

@@ -1,6 +1,6 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` and `per_token_cast_with_sf_only`
-for fmt='e4m3' (its per_token_cast kernels) and `unpack_from_e2m1fn_x2` (torch); every other function
-or option raises NotImplementedError naming it.
+for fmt='e4m3' (its per_token_cast kernels), `cast_back` and `per_token_cast_back` (its cast_back kernels)
+and `unpack_from_e2m1fn_x2` (torch); every other function or option raises NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
     values  (num_tokens, hidden) torch.float8_e4m3fn, contiguous
@@ -13,6 +13,16 @@ per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels return
             (`tkjit.scales.pack_ue8m0`), as TileKernels' reference packs it.
 round_sf rounds each scale up to a power of two. num_per_channels is 16, 32, 64, 128, or hidden (one
 scale per token, hidden a multiple of 64); a partial last group is allowed where tkjit's kernel takes it.
+
+cast_back(x, fmt, x_block_size) and per_token_cast_back(x, fmt, num_per_channels) (= x_block_size
+(1, num_per_channels)) dequantise x = (values, scales) to fmt 'bf16' / 'fp32', bit-exact with TileKernels:
+    values  (num_tokens, hidden) torch.float8_e4m3fn, or torch.int8 (num_tokens, hidden / 2) holding two FP4
+            e2m1 codes per byte (TileKernels' e2m1 storage); hidden a multiple of 64
+    scales  (ceil(num_tokens / num_per_tokens), ceil(hidden / num_per_channels)) torch.float32, row-major
+            (any row stride) or column-major (stride(0) == 1: per_token_cast's TMA-aligned view), or the
+            column-major packed UE8M0 torch.int32 (.., ceil(num_groups / 4)) form per_token_cast returns.
+Any positive x_block_size whose num_per_channels is a multiple of 8 or divides 8 is served. x_special_fmt='e5m6'
+and uint8 values raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from tkjit.errors import ShapeError, TensorError
 
 FAMILY = "quant"
 FORMATS = ("e5m6", "e4m3", "e2m1")  # TileKernels' formats; tkjit casts to e4m3
+BACK_FORMATS = ("bf16", "fp32")  # cast_back's output formats
 GROUPS = (16, 32, 64, 128)  # TileKernels' per-token group sizes, besides num_per_channels == hidden
 __all__ = [
     "swiglu_forward_and_per_channel_cast_and_transpose", "per_channel_cast", "per_channel_cast_fused",
@@ -232,13 +243,63 @@ def per_block_cast_with_sf_only(
     raise missing("quant.per_block_cast_with_sf_only", FAMILY)
 
 
+def _cast_back(fn: str, x, fmt, x_block_size, x_special_fmt) -> torch.Tensor:
+    """TileKernels' cast_back checks, then tkjit's kernel."""
+    if not isinstance(fmt, str) or fmt not in BACK_FORMATS:
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(BACK_FORMATS)}, got {fmt!r}")
+    if x_special_fmt == "e5m6":
+        raise missing(fn, FAMILY, "x_special_fmt='e5m6'")
+    if x_special_fmt is not None:
+        raise ShapeError(f"tile_kernels.{fn}: x_special_fmt must be None or 'e5m6', got {x_special_fmt!r}")
+    if not isinstance(x, tuple) or len(x) != 2:
+        raise TensorError(f"tile_kernels.{fn}: x must be a (values, scales) tuple, got {type(x).__name__}")
+    data, sf = x
+    tensor(fn, "x[0] (values)", data, (2,))
+    if data.dtype == torch.uint8:  # TileKernels' e5m6 packing; its plain kernel would read the bytes as integers
+        raise missing(fn, FAMILY, "x[0].dtype=torch.uint8 without x_special_fmt='e5m6'")
+    tensor(fn, "x[0] (values)", data, (2,), (torch.float8_e4m3fn, torch.int8))
+    tensor(fn, "x[1] (scales)", sf, (2,), (torch.int32, torch.float32))
+    col_major = sf.stride(0) == 1  # TileKernels reads the layout off the strides
+    if not col_major and (sf.stride(1) != 1 or sf.dtype != torch.float32):
+        raise TensorError(f"tile_kernels.{fn}: x[1] (scales) must be float32 with a contiguous last axis, or "
+                          f"column-major (stride(0) == 1); got {sf.dtype} strides {sf.stride()}")
+    if not isinstance(x_block_size, tuple) or len(x_block_size) != 2:
+        raise ShapeError(f"tile_kernels.{fn}: x_block_size must be a (num_per_tokens, num_per_channels) tuple, "
+                         f"got {x_block_size!r}")
+    bt = as_int(fn, "x_block_size[0] (num_per_tokens)", x_block_size[0])
+    bc = as_int(fn, "x_block_size[1] (num_per_channels)", x_block_size[1])
+    if bt < 1 or bc < 1:
+        raise ShapeError(f"tile_kernels.{fn}: x_block_size must be positive, got {x_block_size!r}")
+    num_tokens, hidden = data.shape[0], data.shape[1] * (2 if data.dtype == torch.int8 else 1)
+    if hidden % 64:
+        raise ShapeError(f"tile_kernels.{fn}: hidden ({hidden}) must be a multiple of 64")
+    cols = -(-hidden // bc)
+    want = (-(-num_tokens // bt), -(-cols // 4) if sf.dtype == torch.int32 else cols)
+    if tuple(sf.shape) != want:
+        raise TensorError(f"tile_kernels.{fn}: x[1] (scales) has shape {tuple(sf.shape)}, expected {want} for "
+                          f"{num_tokens} tokens, hidden {hidden} and x_block_size {x_block_size}")
+    sf_dtype = "int32" if sf.dtype == torch.int32 else "float32"
+    out_dtype = "bfloat16" if fmt == "bf16" else "float32"
+    require_kernel(fn, FAMILY, "cast_back_colmajor" if col_major else "cast_back",
+                   {"hidden": hidden, "block_tokens": bt, "block_channels": bc,
+                    "in_fmt": "e2m1" if data.dtype == torch.int8 else "e4m3", "out_dtype": out_dtype,
+                    "sf_dtype": sf_dtype},
+                   {"hidden": "hidden", "block_tokens": "num_per_tokens", "block_channels": "num_per_channels",
+                    "in_fmt": "x[0].dtype", "out_dtype": "fmt", "sf_dtype": "x[1].dtype"},
+                   {"num_tokens": max(1, num_tokens)})
+    return ops.cast_back(rows_aligned(data), sf, (bt, bc),
+                         out_dtype=torch.bfloat16 if fmt == "bf16" else torch.float32)
+
+
 def cast_back(
     x: QuantTensor,
     fmt: str,
     x_block_size: tuple[int, int],
     x_special_fmt: str | None = None,
 ) -> torch.Tensor:
-    raise missing("quant.cast_back", FAMILY)
+    """Dequantise (values, scales) to bf16 / fp32: values * the scale of their (num_per_tokens, num_per_channels)
+    block, bit-exact with TileKernels; the values and scale forms are the module doc's."""
+    return _cast_back("quant.cast_back", x, fmt, x_block_size, x_special_fmt)
 
 
 def per_token_cast_back(
@@ -247,7 +308,8 @@ def per_token_cast_back(
     num_per_channels: int,
     x_special_fmt: str | None = None,
 ) -> torch.Tensor:
-    raise missing("quant.per_token_cast_back", FAMILY)
+    """cast_back with x_block_size (1, num_per_channels)."""
+    return _cast_back("quant.per_token_cast_back", x, fmt, (1, num_per_channels), x_special_fmt)
 
 
 def per_block_cast_lossless(

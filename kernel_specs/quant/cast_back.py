@@ -1,0 +1,410 @@
+"""cast_back: FP8 e4m3 / FP4 e2m1 values and their float32 or UE8M0 scales -> bf16 or float32 (dequantisation).
+
+    out[t, c] = out_dtype(value(x[t, c]) * scale(t // block_tokens, c // block_channels))
+
+one float32 multiply, rounded once to the output type (round to nearest even for bf16), bit-exact with
+TileKernels' `cast_back` / `per_token_cast_back` and its torch reference (`tile_kernels.torch.cast_back`).
+value(): e4m3 widened to float32 (exact), or an FP4 e2m1 code (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, code 8 is -0.0)
+decoded from x stored as TileKernels stores it: int8, two codes per byte, low nibble first, so x is
+(num_tokens, hidden / 2). block_tokens x block_channels is TileKernels' x_block_size: (1, g) per token and
+group of g channels, (128, 128) / (32, 32) blocks; any positive sizes are taken, and the last block of a row
+or column may be partial: the scales are (ceil(num_tokens / block_tokens), ceil(hidden / block_channels)).
+
+Two specs share this file and one builder; they differ only in how the scales are laid out (TileKernels reads
+the layout off the scales' strides: stride(0) == 1 means column-major):
+  cast_back           sf (num_sf_rows, num_sf_cols) float32, rows at a runtime stride (a row-major tensor or
+                      a row-strided view of one).
+  cast_back_colmajor  sf as the storage of a column-major scale tensor: the caller passes s.T of the
+                      (num_sf_rows, ...) column-major tensor s, i.e. a (num_sf_cols, num_sf_rows) float32 view
+                      whose rows are s's columns, at s's runtime column stride (the TMA-aligned layout
+                      per_token_cast_colmajor returns: stride align(num_tokens, 4)); or with sf_dtype int32
+                      the packed UE8M0 form, (ceil(num_sf_cols / 4), num_sf_rows) int32, scale (r, k) being
+                      2^(byte k % 4 of word [k // 4, r] - 127) (`tkjit.scales.pack_ue8m0`; byte 0 is +0.0).
+Why two specs rather than a layout param: the scale tensor's axes come in the opposite order (the runtime
+axis first resp. second), which a TensorArg's fixed dims cannot switch on a static param (per_token_cast's
+reason); packed UE8M0 exists only column-major (TileKernels' layout), so the row-major spec refuses int32.
+num_sf_rows is a runtime param of its own: it is ceil(num_tokens / block_tokens), which a dim cannot express.
+The ops check it; the kernel clamps its scale row index to it, so a direct call with a short sf stays in
+bounds. Its tuning bucket is constant: num_tokens alone picks the config.
+
+x may be a row-strided view (rows starting on the chunk's input bytes, `x_align`); out is contiguous.
+The whole output is a sequence of num_tokens * hidden / vec chunks of `vec` consecutive channels; thread tx
+of a block handles chunks (block * iters + i) * threads + tx, i < iters, so a warp's loads and stores are
+contiguous spans. A chunk's input is one vector load (e4m3: vec bytes, e2m1: vec / 2), its output
+16-byte stores; its scales (one, or vec / block_channels when the group is narrower than the chunk) are
+4-byte loads that neighbouring threads share (L1 hits). All iters' loads are issued before any store.
+The e2m1 decode is integer work on the float32 bit pattern (no float4 type, no denormals), see `_e2m1_bits`.
+"""
+
+import itertools
+
+import torch
+
+from tkjit.registry import register
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+
+FORMATS = ("e4m3", "e2m1")  # x: float8_e4m3fn, or int8 holding two FP4 e2m1 codes per byte (TileKernels)
+X_DTYPE = {"e4m3": "float8_e4m3fn", "e2m1": "int8"}
+OUT_DTYPES = ("bfloat16", "float32")
+OUT_BYTES = {"bfloat16": 2, "float32": 4}
+SF_DTYPES = ("float32", "int32")  # int32: four UE8M0 exponents per word (column-major only)
+# FP4 e2m1 codes 0..15 (sign, 2 exponent bits, 1 mantissa bit), as TileKernels' unpack_from_e2m1fn_x2 decodes them.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+SPACE = {
+    "vec": (8, 16, 32),  # channels per chunk
+    "threads": (128, 256, 512),
+    "iters": (1, 2, 4),  # chunks per thread, loaded before any is stored
+}
+NUM_SMS = 132  # H200
+
+
+def in_bytes(shape) -> float:
+    """Bytes of x per channel."""
+    return 1 if shape["in_fmt"] == "e4m3" else 0.5
+
+
+def x_width(shape) -> int:
+    """x's row length in elements: hidden, or hidden / 2 bytes of packed e2m1 pairs."""
+    return shape["hidden"] if shape["in_fmt"] == "e4m3" else shape["hidden"] // 2
+
+
+def num_sf_cols(shape) -> int:
+    """Scale columns: ceil(hidden / block_channels); the last group is partial when it does not divide hidden."""
+    return -(-shape["hidden"] // shape["block_channels"])
+
+
+def sf_words(shape) -> int:
+    """The column-major scale storage's rows: num_sf_cols, or ceil(num_sf_cols / 4) int32 words when packed."""
+    n = num_sf_cols(shape)
+    return -(-n // 4) if shape["sf_dtype"] == "int32" else n
+
+
+def sf_rows_of(num_tokens: int, block_tokens: int) -> int:
+    """The scales' token rows for num_tokens: ceil(num_tokens / block_tokens)."""
+    return -(-num_tokens // block_tokens)
+
+
+def constraint(shape, c):
+    h, bc, vec = shape["hidden"], shape["block_channels"], c["vec"]
+    if h % vec:
+        return f"hidden={h} is not a multiple of vec={vec}"
+    if bc % vec and vec % bc:
+        return f"block_channels={bc} and vec={vec}: a chunk must lie in one group or hold whole groups"
+    if vec * in_bytes(shape) > 16:
+        return f"a chunk's input is at most one 16-byte load ({vec} {shape['in_fmt']} values are more)"
+    return None
+
+
+def _valid(shape):
+    keys = list(SPACE)
+    combos = (dict(zip(keys, vals)) for vals in itertools.product(*SPACE.values()))
+    return [c for c in combos if constraint(shape, c) is None]
+
+
+def check_shape(shape):
+    h, bt, bc = shape["hidden"], shape["block_tokens"], shape["block_channels"]
+    if h % 16:
+        return f"hidden={h} must be a multiple of 16 (vector loads and stores)"
+    if not _valid(shape):
+        return f"block_channels={bc} must be a multiple of 8 or divide 8 (groups whole in 8-channel chunks)"
+    if "num_tokens" in shape and "num_sf_rows" in shape:
+        want = sf_rows_of(shape["num_tokens"], bt)
+        if shape["num_sf_rows"] != want:
+            return (f"num_sf_rows={shape['num_sf_rows']} must be ceil(num_tokens / block_tokens) = "
+                    f"ceil({shape['num_tokens']} / {bt}) = {want}")
+    return None
+
+
+def check_shape_rowmajor(shape):
+    if shape["sf_dtype"] != "float32":
+        return "row-major scales are float32; packed UE8M0 (int32) scales are column-major (cast_back_colmajor)"
+    return check_shape(shape)
+
+
+def default(shape):
+    # 16-byte input loads where the groups allow (e4m3: 16 channels, e2m1: 32), else the widest valid chunk.
+    # Four chunks per thread once there are enough chunks to fill the GPU several times over: more bytes in
+    # flight per thread for the large (memory-bound) sizes, more blocks for the small ones.
+    vecs = [v for v in sorted(SPACE["vec"], reverse=True) if constraint(shape, {"vec": v}) is None]
+    vec = vecs[0]
+    chunks = shape.get("num_tokens", 1) * shape["hidden"] // vec
+    iters = 4 if chunks >= NUM_SMS * 256 * 16 else 1
+    return {"vec": vec, "threads": 256, "iters": iters}
+
+
+def x_align(shape, c):
+    """Bytes of a chunk's input (one vector load): where every row of x must start."""
+    return max(4, int(c["vec"] * in_bytes(shape)))
+
+
+def arch_constraint(arch, c, shape):
+    if arch == "cpu":
+        return "needs FP8 and bf16 conversions: CUDA targets only"
+    return None
+
+
+def pass_configs(c):
+    return {"tl.disable_warp_specialized": True}
+
+
+def _e2m1_bits(T, code):
+    """float32 bit pattern of FP4 e2m1 `code` (uint32 in [0, 16)): exact, integer-only.
+
+    Magnitude m = code & 7 is (exponent e, mantissa bit) = (m >> 1, m & 1). For e >= 1 the value is
+    2^(e - 1) * (1 + mantissa / 2): float32 exponent field e + 126, top mantissa bit the mantissa bit, i.e.
+    (m << 22) + (126 << 23). e == 0 is 0 (m = 0) or 0.5 (m = 1, the pattern 126 << 23): m * (126 << 23).
+    The sign bit moves from bit 3 to bit 31 (code 8 is -0.0, as TileKernels' decode gives)."""
+    m = code & T.uint32(7)
+    mag = T.if_then_else(m >= T.uint32(2), (m << T.uint32(22)) + T.uint32(126 << 23), m * T.uint32(126 << 23))
+    return mag | ((code & T.uint32(8)) << T.uint32(28))
+
+
+def build(shape, c):
+    return _build(shape, c, col_major=False)
+
+
+def build_colmajor(shape, c):
+    return _build(shape, c, col_major=True)
+
+
+def _build(shape, c, col_major):
+    from tilelang import language as T
+
+    H, BT, BC = shape["hidden"], shape["block_tokens"], shape["block_channels"]
+    fmt, odt, sdt = shape["in_fmt"], shape["out_dtype"], shape["sf_dtype"]
+    vec, threads, iters = c["vec"], c["threads"], c["iters"]
+    f32 = T.float32
+    fp4 = fmt == "e2m1"
+    XW = x_width(shape)
+    xv = vec // 2 if fp4 else vec  # x elements per chunk (bytes for e2m1 pairs)
+    NSC = num_sf_cols(shape)
+    S = min(vec, BC)  # channels sharing one scale inside a chunk
+    NS = vec // S  # scales per chunk
+    ow = 16 // OUT_BYTES[odt]  # output elements per 16-byte store
+    CPR = H // vec  # chunks per row
+    per_block = threads * iters
+    num_tokens = T.dynamic("num_tokens")
+    num_sf_rows = T.dynamic("num_sf_rows")
+    x_stride = T.dynamic(stride_name("x", 0))
+    sf_stride = T.dynamic(stride_name("sf", 0))
+    sf_shape = (sf_words(shape), num_sf_rows) if col_major else (num_sf_rows, NSC)
+
+    @T.prim_func
+    def cast_back(
+        x: T.StridedTensor((num_tokens, XW), (x_stride, 1), X_DTYPE[fmt]),
+        sf: T.StridedTensor(sf_shape, (sf_stride, 1), sdt),
+        out: T.Tensor[(num_tokens, H), odt],
+    ):
+        # Rows start chunk-aligned (the launcher checks it, see x_align): the stride written as a multiple of
+        # the chunk, so the index analysis proves the loads aligned and emits vector loads.
+        x = T.view(x, strides=((x_stride // xv) * xv, 1))
+        with T.Kernel(T.ceildiv(num_tokens * CPR, per_block), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            xs = T.alloc_local((iters * xv,), X_DTYPE[fmt])
+            sc = T.alloc_local((iters * NS,), f32)
+            res = T.alloc_local((vec,), odt)
+            total = T.cast(num_tokens, "int64") * CPR  # chunks; int64: may pass 2^31 elements
+            for it in T.unroll(iters):
+                p = T.cast(bx, "int64") * per_block + it * threads + tx
+                pc = T.min(p, total - 1)  # tail threads reload the last chunk and store nothing
+                row = pc // CPR
+                col = (pc % CPR) * vec
+                for v in T.vectorized(xv):
+                    xs[it * xv + v] = x[row, (pc % CPR) * xv + v]
+                # Clamped: a direct call with fewer scale rows than ceil(num_tokens / BT) stays in bounds.
+                srow = T.min(row // BT, T.cast(num_sf_rows, "int64") - 1)
+                for s in T.unroll(NS):
+                    k = (col + s * S) // BC
+                    if col_major:
+                        if sdt == "int32":
+                            word = sf[k // 4, srow]
+                            byte = T.cast((word >> T.cast((k % 4) * 8, "int32")) & 255, "uint32")
+                            sc[it * NS + s] = T.reinterpret(byte << T.uint32(23), f32)
+                        else:
+                            sc[it * NS + s] = sf[k, srow]
+                    else:
+                        sc[it * NS + s] = sf[srow, k]
+            for it in T.unroll(iters):
+                p = T.cast(bx, "int64") * per_block + it * threads + tx
+                if p < total:
+                    orow = p // CPR
+                    ocol = (p % CPR) * vec
+                    for v in T.unroll(vec):
+                        if fp4:
+                            b = T.cast(T.cast(xs[it * xv + v // 2], "uint8"), "uint32")
+                            val = T.reinterpret(_e2m1_bits(T, (b >> T.cast(4 * (v % 2), "uint32")) & T.uint32(15)), f32)
+                        else:
+                            val = T.cast(xs[it * xv + v], f32)
+                        res[v] = T.cast(val * sc[it * NS + v // S], odt)
+                    for i in T.unroll(vec // ow):
+                        for v in T.vectorized(ow):
+                            out[orow, ocol + i * ow + v] = res[i * ow + v]
+
+    return cast_back
+
+
+def make_inputs(shape, device="cpu", seed=0):
+    """x: every finite code (e4m3: all bytes but the NaNs 0x7F / 0xFF; e2m1: all 256 bytes); scales of many
+    magnitudes, some 0 (float32: powers of two and not; packed: exponent bytes 100..150 and 0). Products stay
+    normal float32 numbers. The column-major scales are the s.T view of a TMA-aligned (num_sf_rows rounded up
+    to 4) column-major buffer whose padding holds garbage, as a caller's would."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = shape["num_tokens"]
+    m = sf_rows_of(n, shape["block_tokens"])
+    if shape["in_fmt"] == "e4m3":
+        b = torch.randint(0, 254, (n, shape["hidden"]), generator=g, dtype=torch.int32)
+        b = b + (b >= 0x7F).int()  # skip 0x7F (NaN); 0xFF is past the range
+        x = b.to(torch.uint8).view(torch.float8_e4m3fn)
+    else:
+        x = torch.randint(-128, 128, (n, shape["hidden"] // 2), generator=g, dtype=torch.int32).to(torch.int8)
+    k = num_sf_cols(shape)
+    if shape["sf_dtype"] == "int32":
+        e = torch.randint(100, 151, (m, -(-k // 4) * 4), generator=g, dtype=torch.int32)
+        e[::5, ::3] = 0
+        e[:, k:] = torch.randint(0, 256, (m, e.shape[1] - k), generator=g)  # bytes past the last group: unused
+        sf = e.to(torch.uint8).view(torch.int32)  # (m, words): byte i of word j is group 4j + i
+    else:
+        s = torch.exp2(torch.randint(-20, 12, (m, k), generator=g).float())
+        s[:, 1::3] *= torch.rand(m, len(range(1, k, 3)), generator=g) + 0.5
+        s[2::7, ::5] = 0.0
+        sf = s
+    return x.to(device), sf.to(device)
+
+
+def make_inputs_colmajor(shape, device="cpu", seed=0):
+    x, sf = make_inputs(shape, "cpu", seed)
+    sf = _colmajor_storage(sf, torch.Generator(device="cpu").manual_seed(seed + 1))
+    return x.to(device), sf.to(device)
+
+
+def make_inputs_rowmajor(shape, device="cpu", seed=0):
+    x, sf = make_inputs(shape, "cpu", seed)
+    if seed % 2:  # odd seeds: the scales as a row-strided view of a wider buffer
+        wide = torch.full((sf.shape[0], sf.shape[1] + 3), float("nan"))
+        wide[:, : sf.shape[1]] = sf
+        sf = wide[:, : sf.shape[1]]
+    return x.to(device), sf.to(device)
+
+
+def _colmajor_storage(s, g):
+    """(rows, cols) scales -> the (cols, rows) storage view of their column-major, TMA-aligned buffer
+    (cols, align(rows, 4)), the padding filled with garbage the kernel must not read."""
+    rows, cols = s.shape
+    buf = torch.randint(0, 255, (cols, -(-rows // 4) * 4 * s.element_size()), generator=g, dtype=torch.int32)
+    buf = buf.to(torch.uint8).view(s.dtype)
+    buf[:, :rows] = s.T
+    return buf[:, :rows]
+
+
+def decode(shape, x):
+    """x's values as float32 (num_tokens, hidden): e4m3 widened, or e2m1 pairs decoded low nibble first."""
+    if shape["in_fmt"] == "e4m3":
+        return x.float()
+    table = torch.tensor(E2M1, dtype=torch.float32, device=x.device)
+    b = x.view(torch.uint8).to(torch.int64)
+    return torch.stack([table[b & 0x0F], table[b >> 4]], dim=-1).reshape(x.shape[0], x.shape[1] * 2)
+
+
+def unpack_ue8m0(words, cols):
+    """(rows, ceil(cols / 4)) int32 packed UE8M0 -> (rows, cols) float32: byte i of word j -> 2^(e - 127)
+    of group 4j + i, as the bit pattern e << 23 (so 0 -> +0.0, 255 -> inf), TileKernels' transform_sf."""
+    # A fresh row-major copy: .contiguous() keeps the odd strides of views it counts as contiguous (one row or
+    # one word), which the byte view refuses.
+    dense = torch.empty(words.shape, dtype=torch.int32, device=words.device).copy_(words)
+    b = dense.view(torch.uint8).reshape(words.shape[0], -1)[:, :cols]
+    return (b.to(torch.int32) << 23).view(torch.float32)
+
+
+def _dequant(shape, x, scales):
+    n, h = x.shape[0], shape["hidden"]
+    s = scales.repeat_interleave(shape["block_tokens"], 0).repeat_interleave(shape["block_channels"], 1)[:n, :h]
+    return (decode(shape, x) * s).to(getattr(torch, shape["out_dtype"]))
+
+
+def reference(shape, x, sf):
+    return _dequant(shape, x, sf)
+
+
+def reference_colmajor(shape, x, sf):
+    """sf is the (num_sf_cols or words, num_sf_rows) storage view: its transpose holds the scales."""
+    scales = sf.T
+    if shape["sf_dtype"] == "int32":
+        scales = unpack_ue8m0(scales, num_sf_cols(shape))
+    return _dequant(shape, x, scales)
+
+
+def _bytes_moved(s, col_major=False):
+    n, h = s["num_tokens"], s["hidden"]
+    m = sf_rows_of(n, s["block_tokens"])
+    sf = m * (sf_words(s) if col_major else num_sf_cols(s)) * 4
+    return int(n * h * (in_bytes(s) + OUT_BYTES[s["out_dtype"]])) + sf
+
+
+def _one(value: int) -> int:
+    return 1  # num_sf_rows follows num_tokens: it adds no tuning bucket of its own
+
+
+PARAMS = (
+    Runtime("num_tokens", hi=1 << 24, doc="tokens; runtime size, tuned per power-of-two bucket"),
+    Runtime("num_sf_rows", hi=1 << 24, bucket=_one, doc="scale rows: ceil(num_tokens / block_tokens)"),
+    Static("hidden", lo=16, hi=65536, default=7168, doc="channels per token (the logical width for e2m1)"),
+    Static("block_tokens", lo=1, hi=65536, default=1, doc="tokens per scale (TileKernels' num_per_tokens)"),
+    Static("block_channels", lo=1, hi=65536, default=128, doc="channels per scale (num_per_channels)"),
+    Static("in_fmt", type=str, values=FORMATS, default="e4m3", doc="e4m3 (float8_e4m3fn) or e2m1 (int8 pairs)"),
+    Static("out_dtype", type=str, values=OUT_DTYPES, default="bfloat16"),
+    Static("sf_dtype", type=str, values=SF_DTYPES, default="float32",
+           doc="float32 scales, or int32 words of four UE8M0 exponents (column-major only)"),
+)
+EXAMPLES = (
+    {"num_tokens": 4096, "num_sf_rows": 4096, "hidden": 7168},
+    {"num_tokens": 32768, "num_sf_rows": 32768, "hidden": 7168, "out_dtype": "float32"},
+    {"num_tokens": 4096, "num_sf_rows": 32, "hidden": 7168, "block_tokens": 128},
+    {"num_tokens": 4096, "num_sf_rows": 4096, "hidden": 7168, "block_channels": 32, "in_fmt": "e2m1"},
+)
+EXAMPLES_COLMAJOR = EXAMPLES[:3] + (
+    {"num_tokens": 4096, "num_sf_rows": 4096, "hidden": 7168, "block_channels": 32, "in_fmt": "e2m1",
+     "sf_dtype": "int32"},
+)
+_X = TensorArg("x", lambda s: X_DTYPE[s["in_fmt"]], ("num_tokens", x_width), strided=True, align=x_align)
+_OUT = TensorArg("out", lambda s: s["out_dtype"], ("num_tokens", "hidden"))
+COMMON = dict(
+    family="quant",
+    params=PARAMS,
+    space=SPACE,
+    default=default,
+    constraint=constraint,
+    arch_constraint=arch_constraint,
+    pass_configs=pass_configs,
+    outputs=(_OUT,),
+    tolerance=Tolerance(exact=True),
+)
+
+SPEC = register(
+    KernelSpec(
+        name="cast_back",
+        doc="FP8 e4m3 / FP4 e2m1 values times float32 block scales -> bf16 or float32, scales row-major",
+        build=build,
+        check_shape=check_shape_rowmajor,
+        inputs=(_X, TensorArg("sf", "float32", ("num_sf_rows", num_sf_cols), strided=True, align=4)),
+        make_inputs=make_inputs_rowmajor,
+        reference=reference,
+        bytes_moved=_bytes_moved,
+        examples=EXAMPLES,
+        **COMMON,
+    )
+)
+
+SPEC_COLMAJOR = register(
+    KernelSpec(
+        name="cast_back_colmajor",
+        doc="cast_back with column-major scales, passed as their (cols, rows) storage view; float32 or UE8M0",
+        build=build_colmajor,
+        check_shape=check_shape,
+        inputs=(_X, TensorArg("sf", lambda s: s["sf_dtype"], (sf_words, "num_sf_rows"), strided=True, align=4)),
+        make_inputs=make_inputs_colmajor,
+        reference=reference_colmajor,
+        bytes_moved=lambda s: _bytes_moved(s, col_major=True),
+        examples=EXAMPLES_COLMAJOR,
+        **COMMON,
+    )
+)
