@@ -22,6 +22,9 @@ INDEX = {
     "top2_sum_gate": "tkjit_kernels.moe.top2_sum_gate",
     "per_token_cast": "tkjit_kernels.quant.per_token_cast",
     "per_token_cast_colmajor": "tkjit_kernels.quant.per_token_cast",
+    "per_block_cast": "tkjit_kernels.quant.per_block_cast",
+    "per_block_cast_colmajor": "tkjit_kernels.quant.per_block_cast",
+    "per_block_cast_with_sf": "tkjit_kernels.quant.per_block_cast",
     "transpose": "tkjit_kernels.transpose.transpose",
     "batched_transpose": "tkjit_kernels.transpose.transpose",
 }
