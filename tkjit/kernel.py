@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tkjit.errors import LaunchError, ShapeError, TensorError
-from tkjit.spec import Align, KernelSpec, ScalarArg, resolve_dim
+from tkjit.spec import Align, CeilDiv, KernelSpec, ScalarArg, resolve_dim
 
 _INT32_MAX = 2**31 - 1  # runtime sizes and strides are int32 kernel args
 _TORCH_DTYPES: dict[str, Any] = {}  # spec dtype name -> torch dtype
@@ -107,7 +107,8 @@ def _no_data(t) -> bool:
 class _ArgCheck(NamedTuple):  # a NamedTuple, not a dataclass: it is built at import (a fresh process's start)
     name: str
     dtype: Any
-    dims: list[tuple[str | None, int]]  # (runtime param, multiple it is rounded up to) or (None, static size)
+    # (runtime param, multiple it is rounded up to, or its CeilDiv with the divisor resolved) or (None, static size)
+    dims: list[tuple[str | None, Any]]
     strided: bool = False  # leading strides are runtime args of the kernel (TensorArg.strided)
     align: int = 16  # bytes: data pointer (and leading strides of a strided arg) a multiple of this
     present: bool = True  # an optional input this variant takes (False: the caller passes None)
@@ -167,6 +168,8 @@ class CompiledKernel:
                     dims.append((d, 1))
                 elif isinstance(d, Align) and d.name in runtime:
                     dims.append((d.name, d.multiple))
+                elif isinstance(d, CeilDiv) and d.name in runtime:
+                    dims.append((d.name, d.resolved(self.shape)))
                 else:
                     dims.append((None, resolve_dim(d, self.shape)))
             return _ArgCheck(t.name, torch_dtype(dtype), dims, t.strided, t.align_bytes(self.shape, self.config),
@@ -457,7 +460,7 @@ class CompiledKernel:
 
     @staticmethod
     def _dims_of(a: _ArgCheck, sizes: dict[str, int]) -> list[int]:
-        return [(-(-sizes[r] // m) * m if r else m) for r, m in a.dims]
+        return [(m.of(sizes[r]) if type(m) is CeilDiv else -(-sizes[r] // m) * m) if r else m for r, m in a.dims]
 
     def _check(self, t, a: _ArgCheck, sizes: dict[str, int], device, output: bool = False):
         import torch
@@ -480,6 +483,12 @@ class CompiledKernel:
                     raise TensorError(
                         f"{self.name}: {role} {a.name} has shape {tuple(t.shape)}, expected ({self._dims_text(a)})"
                         f" (axis {axis} must be {size}, compiled in)"
+                    )
+            elif type(size) is CeilDiv:
+                want = size.of(sizes[rname]) if rname in sizes else None
+                if want is None or got != want:
+                    raise TensorError(
+                        f"{self.name}: {role} {a.name} axis {axis} is {got}, expected {size} ({want})"
                     )
             elif size > 1:  # Align(rname, size)
                 want = -(-sizes[rname] // size) * size if rname in sizes else None
@@ -552,7 +561,8 @@ class CompiledKernel:
         )
 
     def _dims_text(self, a: _ArgCheck) -> str:
-        return ", ".join((f"align({r}, {s})" if s > 1 else r) if r else str(s) for r, s in a.dims)
+        return ", ".join((str(s) if type(s) is CeilDiv else f"align({r}, {s})" if s > 1 else r) if r else str(s)
+                         for r, s in a.dims)
 
     def _check_device(self, device) -> None:
         from tkjit.arch import current_arch

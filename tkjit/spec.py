@@ -134,7 +134,31 @@ class Align:
         return -(-int(value) // self.multiple) * self.multiple
 
 
-Dim = str | int | Align | Callable[[Shape], int]  # a callable may only read static params
+@dataclass(frozen=True)
+class CeilDiv:
+    """A dim equal to ceil(param `name` / divisor), rounded up to a multiple: one entry per block of
+    `divisor` rows (per-block scales: ceil(num_tokens / block_m) rows). divisor: an int or the name of a
+    static int param (a block size compiled in)."""
+
+    name: str
+    divisor: int | str
+    multiple: int = 1
+
+    def resolved(self, shape: Mapping[str, Any]) -> CeilDiv:
+        """This dim with a named divisor replaced by its value in `shape`."""
+        return self if isinstance(self.divisor, int) else CeilDiv(self.name, int(shape[self.divisor]), self.multiple)
+
+    def of(self, value: int, shape: Mapping[str, Any] | None = None) -> int:
+        d = self.divisor if isinstance(self.divisor, int) else int(shape[self.divisor])
+        blocks = -(-int(value) // d)
+        return -(-blocks // self.multiple) * self.multiple
+
+    def __str__(self) -> str:
+        text = f"ceil({self.name} / {self.divisor})"
+        return f"align({text}, {self.multiple})" if self.multiple > 1 else text
+
+
+Dim = str | int | Align | CeilDiv | Callable[[Shape], int]  # a callable may only read static params
 
 
 def resolve_dim(d: Dim, shape: Mapping[str, Any]) -> int:
@@ -142,6 +166,8 @@ def resolve_dim(d: Dim, shape: Mapping[str, Any]) -> int:
         return int(shape[d])
     if isinstance(d, Align):
         return d.of(shape[d.name])
+    if isinstance(d, CeilDiv):
+        return d.of(shape[d.name], shape)
     return int(d(shape)) if callable(d) else int(d)
 
 
@@ -539,11 +565,17 @@ def validate(spec: KernelSpec) -> None:
                 raise SpecError(f"{spec.name}: input {t.name} cannot be both optional and inout")
     for t in (*spec.inputs, *spec.outputs):
         for d in t.dims:
-            ref = d.name if isinstance(d, Align) else d
+            ref = d.name if isinstance(d, (Align, CeilDiv)) else d
             if isinstance(ref, str) and ref not in names:
                 raise SpecError(f"{spec.name}: tensor {t.name} names unknown dim {ref!r}")
             if isinstance(d, Align) and d.multiple < 1:
                 raise SpecError(f"{spec.name}: tensor {t.name} has Align multiple {d.multiple} < 1")
+            if isinstance(d, CeilDiv):
+                div = by_name.get(d.divisor) if isinstance(d.divisor, str) else None
+                if d.multiple < 1 or (isinstance(d.divisor, int) and d.divisor < 1) or (
+                        isinstance(d.divisor, str) and (div is None or not div.static or div.type is not int)):
+                    raise SpecError(f"{spec.name}: tensor {t.name} has CeilDiv {d}: the divisor must be an int >= 1 "
+                                    "or a static int param, the multiple >= 1")
     if not spec.examples:
         raise SpecError(f"{spec.name}: give at least one example shape")
     for ex in spec.examples:

@@ -944,3 +944,91 @@ cast_back_colmajor = torch.library.custom_op(
 @cast_back_colmajor.register_fake
 def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
     return _fake_cast_back("cast_back_colmajor", x, sf, block_tokens, block_channels, out_dtype)
+
+
+# -- per_block_cast ----------------------------------------------------------------------------------
+
+_BLOCK_CAST_SCHEMA = ("(Tensor x, int block_m=128, int block_k=128, bool round_scale=False, str? config=None) "
+                      "-> (Tensor, Tensor)")
+
+
+def _block_static(name, x, block_m, block_k, round_scale=None) -> dict:
+    """per_block_cast's static params read off x (round_scale: None for the given-scales spec)."""
+    _need(x, (2,), name)
+    shape = {"hidden": int(x.shape[1]), "block_m": block_m, "block_k": block_k, "in_dtype": dtype_name(x.dtype)}
+    if round_scale is not None:
+        shape["round_scale"] = round_scale
+    return shape
+
+
+def _block_cast(name, x, block_m, block_k, round_scale, config):
+    shape = {"num_tokens": max(1, x.shape[0]), **_block_static(name, x, block_m, block_k, round_scale)}
+    return get(name, shape, arch=arch_of(x), config=_config(config))(x)
+
+
+def _fake_block_cast(name, x, block_m, block_k, round_scale):
+    """(fake values, scale rows ceil(num_tokens / block_m), scale columns ceil(hidden / block_k))."""
+    _fake_check(name, _block_static(name, x, block_m, block_k, round_scale), x)
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn), (x.shape[0] + block_m - 1) // block_m,
+            -(-int(x.shape[1]) // block_k))
+
+
+def per_block_cast_impl(x, block_m=128, block_k=128, round_scale=False, config=None):
+    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales (ceil(num_tokens / block_m),
+    ceil(hidden / block_k)), one per block_m x block_k tile)."""
+    return _block_cast("per_block_cast", x, block_m, block_k, round_scale, config)
+
+
+per_block_cast = torch.library.custom_op(
+    "tkjit::per_block_cast", mutates_args=(), schema=_BLOCK_CAST_SCHEMA
+)(per_block_cast_impl)
+
+
+@per_block_cast.register_fake
+def _(x, block_m=128, block_k=128, round_scale=False, config=None):
+    q, rows, cols = _fake_block_cast("per_block_cast", x, block_m, block_k, round_scale)
+    return q, x.new_empty((rows, cols), dtype=torch.float32)
+
+
+def per_block_cast_colmajor_impl(x, block_m=128, block_k=128, round_scale=False, config=None):
+    """per_block_cast with the scales' TMA-aligned column-major storage (ceil(hidden / block_k),
+    align(ceil(num_tokens / block_m), 4))."""
+    return _block_cast("per_block_cast_colmajor", x, block_m, block_k, round_scale, config)
+
+
+per_block_cast_colmajor = torch.library.custom_op(
+    "tkjit::per_block_cast_colmajor", mutates_args=(), schema=_BLOCK_CAST_SCHEMA
+)(per_block_cast_colmajor_impl)
+
+
+@per_block_cast_colmajor.register_fake
+def _(x, block_m=128, block_k=128, round_scale=False, config=None):
+    q, rows, cols = _fake_block_cast("per_block_cast_colmajor", x, block_m, block_k, round_scale)
+    return q, x.new_empty((cols, (rows + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+
+
+def per_block_cast_with_sf_impl(x, sf, block_m=128, block_k=128, config=None):
+    """x (num_tokens, hidden) bf16/f32 and float32 scales (ceil(num_tokens / block_m), ceil(hidden / block_k))
+    -> fp8 e4m3 values fp8(clamp(x / sf, -448, 448)) per block."""
+    shape = {"num_tokens": max(1, x.shape[0]), **_block_static("per_block_cast_with_sf", x, block_m, block_k)}
+    return get("per_block_cast_with_sf", shape, arch=arch_of(x), config=_config(config))(x, sf)
+
+
+per_block_cast_with_sf = torch.library.custom_op(
+    "tkjit::per_block_cast_with_sf", mutates_args=(),
+    schema="(Tensor x, Tensor sf, int block_m=128, int block_k=128, str? config=None) -> Tensor",
+)(per_block_cast_with_sf_impl)
+
+
+@per_block_cast_with_sf.register_fake
+def _(x, sf, block_m=128, block_k=128, config=None):
+    name = "per_block_cast_with_sf"
+    _fake_check(name, _block_static(name, x, block_m, block_k), x)
+    _need(sf, (2,), name)
+    cols = -(-int(x.shape[1]) // block_k)
+    if sf.dtype != torch.float32 or int(sf.shape[1]) != cols:
+        raise TensorError(f"{name}: input sf must be float32 (ceil(num_tokens / {block_m}), {cols}), got "
+                          f"{sf.dtype} {tuple(sf.shape)}")
+    torch._check(sf.shape[0] == (x.shape[0] + block_m - 1) // block_m,
+                 lambda: f"{name}: sf must have ceil(num_tokens / {block_m}) rows")
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)

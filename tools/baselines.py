@@ -558,6 +558,31 @@ def _cast_back_tk(col_major):
         fmt = "bf16" if shape["out_dtype"] == "bfloat16" else "fp32"
         return lambda: cast_back((x, sf), fmt, (shape["block_tokens"], shape["block_channels"]))
 
+
+# -- per_block_cast ----------------------------------------------------------------------------------
+
+def _block_cast_torch(shape):
+    from tkjit_kernels.quant.per_block_cast import reference
+
+    return lambda x: reference(shape, x)  # plain torch on x's device: pad, block amax, scale, cast
+
+
+def _block_cast_with_sf_torch(shape):
+    from tkjit_kernels.quant.per_block_cast import _cast
+
+    return lambda x, sf: _cast(shape, x, sf.reciprocal()[:, None, :, None])
+
+
+def _block_cast_tk(col_major):
+    def make(shape, inputs):
+        if _tile_kernels() is None or shape["hidden"] % 64 or {shape["block_m"], shape["block_k"]} - {32, 128}:
+            return None  # TileKernels' per_block_cast: blocks of 32 or 128, hidden a multiple of 64
+        from tile_kernels.quant import per_block_cast
+
+        (x,) = inputs
+        block = (shape["block_m"], shape["block_k"])
+        return lambda: per_block_cast(x, "e4m3", block, col_major, shape["round_scale"])
+
     return make
 
 
@@ -575,5 +600,37 @@ SHAPES.update({
         {"num_tokens": 32768, "num_sf_rows": 32768, "hidden": 7168, "block_channels": 128},
         {"num_tokens": 32768, "num_sf_rows": 32768, "hidden": 7168, "block_channels": 32, "in_fmt": "e2m1",
          "sf_dtype": "int32"},
+    ],
+})
+
+
+def _block_cast_with_sf_tk(shape, inputs):
+    if _tile_kernels() is None or shape["hidden"] % 64 or {shape["block_m"], shape["block_k"]} - {32, 128}:
+        return None
+    from tile_kernels.quant import per_block_cast_with_precomputed_sf
+
+    x, sf = inputs
+    return lambda: per_block_cast_with_precomputed_sf(x, "e4m3", (shape["block_m"], shape["block_k"]), sf)
+
+
+TORCH.update({"per_block_cast": _block_cast_torch, "per_block_cast_with_sf": _block_cast_with_sf_torch})
+TILE_KERNELS.update({"per_block_cast": _block_cast_tk(False), "per_block_cast_colmajor": _block_cast_tk(True),
+                     "per_block_cast_with_sf": _block_cast_with_sf_tk})
+SHAPES.update({
+    # DeepSeek-V3: 128 x 128 weight blocks (7168 x 2048 and 2048 x 7168 projections), activations
+    # 4096 / 32768 tokens x 7168; 32 x 32 blocks (TileKernels' default block_size in its reference).
+    "per_block_cast": [
+        {"num_tokens": 4096, "hidden": 7168, "block_m": 128, "block_k": 128},
+        {"num_tokens": 32768, "hidden": 7168, "block_m": 128, "block_k": 128},
+        {"num_tokens": 7168, "hidden": 2048, "block_m": 128, "block_k": 128, "round_scale": True},
+        {"num_tokens": 4096, "hidden": 7168, "block_m": 32, "block_k": 32},
+    ],
+    "per_block_cast_colmajor": [
+        {"num_tokens": 4096, "hidden": 7168, "block_m": 128, "block_k": 128, "round_scale": True},
+        {"num_tokens": 4096, "hidden": 7168, "block_m": 32, "block_k": 32},
+    ],
+    "per_block_cast_with_sf": [
+        {"num_tokens": 4096, "hidden": 7168, "block_m": 128, "block_k": 128},
+        {"num_tokens": 32768, "hidden": 7168, "block_m": 128, "block_k": 128},
     ],
 })

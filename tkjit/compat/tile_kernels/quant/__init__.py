@@ -1,6 +1,8 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` and `per_token_cast_with_sf_only`
-for fmt='e4m3' (its per_token_cast kernels), `cast_back` and `per_token_cast_back` (its cast_back kernels)
-and `unpack_from_e2m1fn_x2` (torch); every other function or option raises NotImplementedError naming it.
+for fmt='e4m3' (its per_token_cast kernels), `per_block_cast`, `per_block_cast_with_sf_only` and
+`per_block_cast_with_precomputed_sf` for fmt='e4m3' (its per_block_cast kernels), `cast_back` and
+`per_token_cast_back` (its cast_back kernels) and `unpack_from_e2m1fn_x2` (torch); every other function or
+option raises NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
     values  (num_tokens, hidden) torch.float8_e4m3fn, contiguous
@@ -23,6 +25,13 @@ cast_back(x, fmt, x_block_size) and per_token_cast_back(x, fmt, num_per_channels
             column-major packed UE8M0 torch.int32 (.., ceil(num_groups / 4)) form per_token_cast returns.
 Any positive x_block_size whose num_per_channels is a multiple of 8 or divides 8 is served. x_special_fmt='e5m6'
 and uint8 values raise NotImplementedError.
+
+per_block_cast(x, 'e4m3', (block_m, block_k), ...) (block_m and block_k 32 or 128, x contiguous, hidden a
+multiple of 64, as TileKernels asserts) returns (values, scales) laid out as per_token_cast's with
+ceil(num_tokens / block_m) scale rows and ceil(hidden / block_k) columns: row-major, TMA-aligned
+column-major, or packed UE8M0 int32 (four column blocks per int32). `_with_sf_only` returns the scales
+(tkjit's kernel writes the values too; they are dropped); `_with_precomputed_sf` takes float32 row-major
+scales (any row stride; not column-major nor packed, as TileKernels asserts) and returns the values.
 """
 
 from __future__ import annotations
@@ -209,6 +218,50 @@ def per_token_cast_with_precomputed_sf(
     raise missing("quant.per_token_cast_with_precomputed_sf", FAMILY)
 
 
+BLOCKS = (32, 128)  # TileKernels' per_block_cast block sizes, each way
+
+
+def _per_block_args(fn: str, x, fmt, block_size, use_tma_aligned_col_major_sf, use_packed_ue8m0,
+                    round_sf=None) -> tuple[int, int]:
+    """TileKernels' per_block_cast_impl checks, and tkjit's spec's: (block_m, block_k)."""
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(FORMATS)}, got {fmt!r}")
+    if fmt != "e4m3":
+        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts to 'e4m3' only)")
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise ShapeError(f"tile_kernels.{fn}: block_size must be a (num_per_tokens, num_per_channels) pair, "
+                         f"got {block_size!r}")
+    bm, bk = (as_int(fn, "block_size", b) for b in block_size)
+    if bm not in BLOCKS or bk not in BLOCKS:
+        raise ShapeError(f"tile_kernels.{fn}: block_size={(bm, bk)} must be made of {list(BLOCKS)}")
+    if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
+        raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
+    tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
+    if not x.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: x must be contiguous, got strides {x.stride()} for shape "
+                          f"{tuple(x.shape)}")
+    hidden = x.shape[1]
+    if hidden % 64:
+        raise ShapeError(f"tile_kernels.{fn}: hidden (x.shape[1]) = {hidden} must be a multiple of 64")
+    shape = {"hidden": hidden, "block_m": bm, "block_k": bk, "in_dtype": "bfloat16" if x.dtype == torch.bfloat16
+             else "float32"}
+    kernel = "per_block_cast_with_sf" if round_sf is None else "per_block_cast"
+    if round_sf is not None:
+        shape["round_scale"] = bool(round_sf)
+    require_kernel(fn, FAMILY, kernel, shape, {"hidden": "hidden (x.shape[1])", "block_m": "block_size[0]",
+                                               "block_k": "block_size[1]", "in_dtype": "x.dtype"},
+                   {"num_tokens": max(1, x.shape[0])})
+    return bm, bk
+
+
+def _per_block_cast(fn: str, x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    block = _per_block_args(fn, x, fmt, block_size, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    return ops.per_block_cast(x, block, round_scale=bool(round_sf),
+                              col_major_scales=bool(use_tma_aligned_col_major_sf),
+                              packed_ue8m0=bool(use_packed_ue8m0))
+
+
 def per_block_cast(
     x: torch.Tensor,
     fmt: str,
@@ -217,7 +270,10 @@ def per_block_cast(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> QuantTensor:
-    raise missing("quant.per_block_cast", FAMILY)
+    """Cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3 with one float32 scale per block_size tile:
+    (values, scales), laid out as the module doc says."""
+    return _per_block_cast("quant.per_block_cast", x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf,
+                           use_packed_ue8m0)
 
 
 def per_block_cast_with_precomputed_sf(
@@ -229,7 +285,16 @@ def per_block_cast_with_precomputed_sf(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
-    raise missing("quant.per_block_cast_with_precomputed_sf", FAMILY)
+    """per_block_cast's values with the given float32 scales sf (ceil(num_tokens / block_m),
+    ceil(hidden / block_k)), row-major: fp8 e4m3 of clamp(x * (1 / sf), -448, 448). round_sf is unused
+    (the scales are given), as in TileKernels."""
+    fn = "quant.per_block_cast_with_precomputed_sf"
+    if use_tma_aligned_col_major_sf or use_packed_ue8m0:  # asserts in TileKernels
+        raise ShapeError(f"tile_kernels.{fn}: precomputed sf must be row-major float32 "
+                         "(use_tma_aligned_col_major_sf and use_packed_ue8m0 must be False)")
+    block = _per_block_args(fn, x, fmt, block_size, False, False)
+    tensor(fn, "sf", sf, (2,), (torch.float32,))
+    return ops.per_block_cast_with_sf(x, sf, block)
 
 
 def per_block_cast_with_sf_only(
@@ -240,7 +305,10 @@ def per_block_cast_with_sf_only(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
-    raise missing("quant.per_block_cast_with_sf_only", FAMILY)
+    """per_block_cast's scales only (same values and layout). tkjit's kernel writes the FP8 values too;
+    they are dropped."""
+    return _per_block_cast("quant.per_block_cast_with_sf_only", x, fmt, block_size, use_tma_aligned_col_major_sf,
+                           round_sf, use_packed_ue8m0)[1]
 
 
 def _cast_back(fn: str, x, fmt, x_block_size, x_special_fmt) -> torch.Tensor:
