@@ -270,7 +270,11 @@ class CompiledKernel:
                     f"{self.name}: output size {', '.join(missing)} is not read off any input: pass it to the call "
                     f"({', '.join(f'{r}=...' for r in missing)}) or give out= tensors"
                 )
-            outs = [(torch.zeros if a.zeroed else torch.empty)(self._dims_of(a, sizes), dtype=a.dtype, device=device)
+            # An empty batch launches nothing: its outputs are zeros (an output with no runtime axis,
+            # e.g. per-id counts, is then well defined), not whatever torch.empty returned.
+            idle = any(v == 0 for v in sizes.values())
+            outs = [(torch.zeros if a.zeroed or idle else torch.empty)(self._dims_of(a, sizes), dtype=a.dtype,
+                                                                        device=device)
                     for a in self._out]
             if outs and type(outs[0]) is not torch.Tensor and _no_data(outs[0]):  # under a FakeTensorMode
                 raise self._fake_error(outs[0], self._out[0], "output")
@@ -333,10 +337,10 @@ class CompiledKernel:
         empty, name = torch.empty, self.name
 
         n_in, n_args = len(inputs), len(inputs) + len(self._scalars)
-        zeroed = any(a.zeroed for a in self._out)
+        zeroed = any(a.zeroed for a in self._out) or not launched  # (an empty batch's outputs are zeros)
         if self._scalars or zeroed:  # the general form: scalars, zero-filled outputs
             scalar_ok = tuple(_scalar_check(s) for s in self._scalars)
-            fills = tuple(torch.zeros if a.zeroed else empty for a in self._out)
+            fills = tuple(torch.zeros if a.zeroed or not launched else empty for a in self._out)
 
             def plan(args: tuple):
                 if len(args) != n_args:

@@ -309,7 +309,9 @@ AUX_FI_SPEC = register(
         build=aux_fi_build,
         inputs=(TensorArg("topk_idx", "int64", ("num_tokens", "num_topk")),),
         outputs=(
-            TensorArg("fi", "float32", ("num_experts",), zeroed=True),
+            # Not zeroed: every launch writes all of fi (one fill launch less per call, which is most of
+            # the time of a launch-bound call; an empty batch, not launched, gets zeros all the same).
+            TensorArg("fi", "float32", ("num_experts",)),
             # counts[:num_experts]: the per-expert counts; counts[num_experts]: the grid's block ticket,
             # left at 0 (zeroed: blocks > 1 accumulate into it).
             TensorArg("counts", "int32", (lambda s: s["num_experts"] + 1,), zeroed=True),
