@@ -125,11 +125,13 @@ parallel)
   for i in "${!items[@]}"; do  # one file may appear twice, with two selections: logs are numbered
     k=${items[$i]}; f=tests/gpu/test_gpu_${k%%:*}.py; sel=""; [ "$k" != "${k#*:}" ] && sel="${k#*:}"
     # SIGINT first: pytest stops and still prints its failures so far (a KILL loses them), KILL 20 s later
-    ( TKJIT_JOBS=4 timeout -s INT -k 20 "${TEST_TIMEOUT:-480}" $PYTEST $f ${sel:+-k "$sel"} > "/tmp/pytest_$i.txt" 2>&1
-      echo "rc=$?" >> "/tmp/pytest_$i.txt" ) &
+    # each log straight under $OUT: a run killed at its time limit still has what each file printed
+    ( TKJIT_JOBS=4 timeout -s INT -k 20 "${TEST_TIMEOUT:-480}" $PYTEST $f ${sel:+-k "$sel"} > "$OUT/pytest_$i.txt" 2>&1
+      echo "rc=$?" >> "$OUT/pytest_$i.txt" ) &
   done
   wait
-  for i in "${!items[@]}"; do echo "=================== ${items[$i]}"; cat "/tmp/pytest_$i.txt"; done > "$OUT/pytest_all.txt"
+  for i in "${!items[@]}"; do echo "=================== ${items[$i]}"; cat "$OUT/pytest_$i.txt"; done > "$OUT/pytest_all.txt"
+  rm -f "$OUT"/pytest_[0-9]*.txt
   grep -E "^(=================== |FAILED|ERROR|rc=)|passed|failed" "$OUT/pytest_all.txt" | grep -v "^tests.*PASSED" | head -120
   ;;
 chain)
