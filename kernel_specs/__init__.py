@@ -24,4 +24,6 @@ INDEX = {
     "per_token_cast_colmajor": "tkjit_kernels.quant.per_token_cast",
     "transpose": "tkjit_kernels.transpose.transpose",
     "batched_transpose": "tkjit_kernels.transpose.transpose",
+    "per_channel_cast": "tkjit_kernels.quant.per_channel_cast",
+    "per_channel_cast_and_transpose": "tkjit_kernels.quant.per_channel_cast_and_transpose",
 }
