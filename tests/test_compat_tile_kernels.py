@@ -43,7 +43,8 @@ SERVED = {
     "moe": {"get_fused_mapping", "topk_gate", "normalize_weight", "mask_indices_by_tp", "inplace_unique_group_indices",
             "group_count", "aux_fi", "topk_sum_and_topk_group_idx", "expand_to_fused", "reduce_fused",
             "expand_to_fused_with_sf", "top2_sum_gate"},
-    "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2"},
+    "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2", "per_channel_cast",
+              "per_channel_cast_and_transpose"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize"},
 }

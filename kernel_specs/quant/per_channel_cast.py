@@ -51,8 +51,8 @@ def constraint(shape, c):
         return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
     if (npt // tok_threads) * vec > MAX_ELEMS_PER_THREAD:
         return f"{(npt // tok_threads) * vec} elements per thread would spill (max {MAX_ELEMS_PER_THREAD})"
-    if vec * cht >= 2 * h:
-        return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h}"
+    if vec * cht >= 2 * h and cht > SPACE["ch_threads"][0]:
+        return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h} (fewer ch_threads)"
     return None
 
 

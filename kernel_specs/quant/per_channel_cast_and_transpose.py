@@ -74,7 +74,7 @@ def constraint(shape, c):
         return f"tile of {bt * bc * eb} bytes exceeds {SMEM_LIMIT} bytes of shared memory"
     if c["swizzle"] and (bt // k) % (128 // c["vec_bytes"]):
         return f"the swizzle needs block_tokens * {eb} bytes to be a multiple of 128 ({bt // k} chunks per row)"
-    if bc >= 2 * shape["hidden"]:
+    if bc >= 2 * shape["hidden"] and bc > SPACE["block_ch"][0]:
         return f"block_ch={bc} leaves more than half the tile empty at hidden={shape['hidden']}"
     return None
 

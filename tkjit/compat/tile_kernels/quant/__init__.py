@@ -156,6 +156,8 @@ def _per_channel_cast(
     if npt not in PER_CHANNEL_TOKENS:
         raise ShapeError(f"tile_kernels.{fn}: num_per_tokens must be one of {list(PER_CHANNEL_TOKENS)}, got {npt}")
     n, hidden = x.shape
+    if hidden % 16:  # (TileKernels asks for a multiple of 64)
+        raise ShapeError(f"tile_kernels.{fn}: hidden (x.shape[1] = {hidden}) must be a multiple of 16")
     if n % npt:
         raise ShapeError(f"tile_kernels.{fn}: num_tokens (x.shape[0] = {n}) must be a multiple of num_per_tokens "
                          f"({npt})")
