@@ -36,7 +36,8 @@ ELEM_BYTES = {"bfloat16": 2, "float32": 4}
 MAX_ELEMS_PER_THREAD = 128  # registers per thread for staged x
 
 PARAMS = (
-    Runtime("token_blocks", hi=1 << 19, doc="num_tokens / num_per_tokens; runtime, tuned per power-of-two bucket"),
+    # hi: the 1-D grids (blocks x channel tiles) stay under 2^31.
+    Runtime("token_blocks", hi=1 << 18, doc="num_tokens / num_per_tokens; runtime, tuned per power-of-two bucket"),
     Static("hidden", lo=16, hi=65536, default=7168, doc="channels; a multiple of 16"),
     Static("num_per_tokens", values=TOKENS_PER_SCALE, default=128, doc="tokens per scale (TileKernels' block)"),
     Static("in_dtype", type=str, values=tuple(ELEM_BYTES), default="bfloat16"),

@@ -49,8 +49,13 @@ def constraint(shape, c):
     tok_threads = threads // cht
     if npt % tok_threads:
         return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
-    if (npt // tok_threads) * vec > MAX_ELEMS_PER_THREAD:
-        return f"{(npt // tok_threads) * vec} elements per thread would spill (max {MAX_ELEMS_PER_THREAD})"
+    elems = (npt // tok_threads) * vec
+    if elems > MAX_ELEMS_PER_THREAD:
+        return f"{elems} elements per thread would spill (max {MAX_ELEMS_PER_THREAD})"
+    # Registers: the staged x, amax/sf/inv per channel, ~24 for addresses; an SM has 64K for the block.
+    regs = elems * elem_bytes(shape) // 4 + 3 * vec + 24
+    if regs > min(255, 65536 // threads):
+        return f"~{regs} registers per thread would spill at {threads} threads"
     if vec * cht >= 2 * h and cht > SPACE["ch_threads"][0]:
         return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h} (fewer ch_threads)"
     return None
