@@ -31,4 +31,6 @@ INDEX = {
     "fused_weight": "tkjit_kernels.engram.fused_weight",
     "cast_back": "tkjit_kernels.quant.cast_back",
     "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
+    "per_channel_cast": "tkjit_kernels.quant.per_channel_cast",
+    "per_channel_cast_and_transpose": "tkjit_kernels.quant.per_channel_cast_and_transpose",
 }

@@ -45,7 +45,7 @@ SERVED = {
             "expand_to_fused_with_sf", "top2_sum_gate"},
     "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2", "cast_back",
               "per_token_cast_back", "per_block_cast", "per_block_cast_with_sf_only",
-              "per_block_cast_with_precomputed_sf"},
+              "per_block_cast_with_precomputed_sf", "per_channel_cast", "per_channel_cast_and_transpose"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize"},
     "engram": {"engram_hash", "fused_weight"},

@@ -345,3 +345,26 @@ def per_block_cast_with_sf(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[
     if _eager(x, sf):
         return torch_ops.per_block_cast_with_sf_impl(x, sf, block_m, block_k, encode_config(config))
     return torch.ops.tkjit.per_block_cast_with_sf.default(x, sf, block_m, block_k, encode_config(config))
+
+
+# -- per_channel_cast ---------------------------------------------------------------------------------
+
+def per_channel_cast(x: torch.Tensor, num_per_tokens: int = 128, *, round_scale: bool = False,
+                     config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, hidden) bf16/f32, contiguous -> (fp8 e4m3 values (num_tokens, hidden), float32 scales
+    (num_tokens / num_per_tokens, hidden)): one scale per channel and block of num_per_tokens (32 or 128)
+    consecutive tokens, amax / 448 (round_scale: rounded up to a power of two); TileKernels'
+    `per_channel_cast`. num_tokens must be a multiple of num_per_tokens."""
+    if _eager(x):
+        return torch_ops.per_channel_cast_impl(x, num_per_tokens, round_scale, encode_config(config))
+    return torch.ops.tkjit.per_channel_cast.default(x, num_per_tokens, round_scale, encode_config(config))
+
+
+def per_channel_cast_and_transpose(x: torch.Tensor, num_per_tokens: int = 128, *, round_scale: bool = False,
+                                   config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_channel_cast with the values transposed: (fp8 e4m3 (hidden, num_tokens), float32 scales
+    (num_tokens / num_per_tokens, hidden)); TileKernels' `per_channel_cast_and_transpose`."""
+    args = (x, num_per_tokens, round_scale, encode_config(config))
+    if _eager(x):
+        return torch_ops.per_channel_cast_and_transpose_impl(*args)
+    return torch.ops.tkjit.per_channel_cast_and_transpose.default(*args)

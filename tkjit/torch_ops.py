@@ -1032,3 +1032,83 @@ def _(x, sf, block_m=128, block_k=128, config=None):
     torch._check(sf.shape[0] == (x.shape[0] + block_m - 1) // block_m,
                  lambda: f"{name}: sf must have ceil(num_tokens / {block_m}) rows")
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+
+
+# -- per_channel_cast ------------------------------------------------------------------------------
+# The kernels see x as (token_blocks, num_per_tokens, hidden) (tkjit_kernels/quant/_per_channel.py says why);
+# the ops take and return TileKernels' 2-D tensors: values (num_tokens, hidden), or (hidden, num_tokens)
+# transposed, and scales (num_tokens / num_per_tokens, hidden), all contiguous.
+
+_PER_CHANNEL_SCHEMA = ("(Tensor x, int num_per_tokens=128, bool round_scale=False, str? config=None) "
+                       "-> (Tensor, Tensor)")
+
+
+def _per_channel_static(name, x, num_per_tokens, round_scale) -> dict:
+    """The static shape, or ShapeError/TensorError naming the argument (before any division by it)."""
+    from tkjit_kernels.quant._per_channel import TOKENS_PER_SCALE
+
+    _need(x, (2,), name)
+    if type(num_per_tokens) is not int or num_per_tokens not in TOKENS_PER_SCALE:
+        raise ShapeError(f"{name}: num_per_tokens must be one of {list(TOKENS_PER_SCALE)}, got {num_per_tokens!r}")
+    if not x.is_contiguous():  # (the kernel's 3-D view of x needs whole rows, back to back)
+        raise TensorError(f"{name}: x must be contiguous (call .contiguous()); got strides {x.stride()} for shape "
+                          f"{tuple(x.shape)}")
+    n = x.shape[0]
+    if isinstance(n, int) and n % num_per_tokens:
+        raise ShapeError(f"{name}: num_tokens (x.shape[0] = {n}) must be a multiple of num_per_tokens "
+                         f"({num_per_tokens}): a scale covers whole blocks of num_per_tokens tokens")
+    return {"hidden": int(x.shape[1]), "num_per_tokens": num_per_tokens, "in_dtype": dtype_name(x.dtype),
+            "round_scale": round_scale}
+
+
+def _per_channel(name, x, num_per_tokens, round_scale, config, transposed):
+    static = _per_channel_static(name, x, num_per_tokens, round_scale)
+    (n, h), npt = x.shape, num_per_tokens
+    blocks = n // npt
+    kern = get(name, {**static, "token_blocks": max(1, blocks)}, arch=arch_of(x), config=_config(config))
+    out = x.new_empty((h, n) if transposed else (n, h), dtype=torch.float8_e4m3fn)
+    scales = x.new_empty((blocks, h), dtype=torch.float32)
+    # The 2-D tensors are allocated here and the kernel writes their 3-D views: the op returns no views.
+    kern(x.view(blocks, npt, h), out=(out.view((h, blocks, npt) if transposed else (blocks, npt, h)), scales))
+    return out, scales
+
+
+def _fake_per_channel(name, x, num_per_tokens, round_scale, transposed):
+    static = _per_channel_static(name, x, num_per_tokens, round_scale)
+    _fake_check(name, static)
+    n, h = x.shape
+    torch._check(n % num_per_tokens == 0, lambda: f"{name}: num_tokens must be a multiple of num_per_tokens")
+    out = x.new_empty((h, n) if transposed else (n, h), dtype=torch.float8_e4m3fn)
+    return out, x.new_empty((n // num_per_tokens, h), dtype=torch.float32)
+
+
+def per_channel_cast_impl(x, num_per_tokens=128, round_scale=False, config=None):
+    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values (num_tokens, hidden), float32 scales
+    (num_tokens / num_per_tokens, hidden)): one scale per channel and block of num_per_tokens tokens."""
+    return _per_channel("per_channel_cast", x, num_per_tokens, round_scale, config, False)
+
+
+per_channel_cast = torch.library.custom_op(
+    "tkjit::per_channel_cast", mutates_args=(), schema=_PER_CHANNEL_SCHEMA
+)(per_channel_cast_impl)
+
+
+@per_channel_cast.register_fake
+def _(x, num_per_tokens=128, round_scale=False, config=None):
+    return _fake_per_channel("per_channel_cast", x, num_per_tokens, round_scale, False)
+
+
+def per_channel_cast_and_transpose_impl(x, num_per_tokens=128, round_scale=False, config=None):
+    """per_channel_cast with the values transposed: (fp8 e4m3 (hidden, num_tokens), float32 scales
+    (num_tokens / num_per_tokens, hidden))."""
+    return _per_channel("per_channel_cast_and_transpose", x, num_per_tokens, round_scale, config, True)
+
+
+per_channel_cast_and_transpose = torch.library.custom_op(
+    "tkjit::per_channel_cast_and_transpose", mutates_args=(), schema=_PER_CHANNEL_SCHEMA
+)(per_channel_cast_and_transpose_impl)
+
+
+@per_channel_cast_and_transpose.register_fake
+def _(x, num_per_tokens=128, round_scale=False, config=None):
+    return _fake_per_channel("per_channel_cast_and_transpose", x, num_per_tokens, round_scale, True)

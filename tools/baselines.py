@@ -544,6 +544,25 @@ def _cast_back_torch(col_major):
         ref = reference_colmajor if col_major else reference
         return lambda x, sf: ref(shape, x, sf)  # plain torch eager: decode, expand the scales, multiply
 
+
+# -- per_channel_cast, per_channel_cast_and_transpose -------------------------------------------------
+# The specs' x is the (token_blocks, num_per_tokens, hidden) view of TileKernels' (num_tokens, hidden) x.
+
+def _per_channel_torch(transposed):
+    def make(shape):
+        round_scale = shape["round_scale"]
+
+        def f(x):
+            xf = x.float()
+            amax = xf.abs().amax(1, keepdim=True).clamp(min=1e-4)
+            sf = amax / 448.0
+            if round_scale:
+                sf = torch.exp2(torch.ceil(torch.log2(sf)))
+            q = (xf / sf).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(-1, x.shape[2])
+            return (q.T.contiguous() if transposed else q), sf.squeeze(1)
+
+        return f
+
     return make
 
 
@@ -582,6 +601,24 @@ def _block_cast_tk(col_major):
         (x,) = inputs
         block = (shape["block_m"], shape["block_k"])
         return lambda: per_block_cast(x, "e4m3", block, col_major, shape["round_scale"])
+
+
+def _per_channel_tk(transposed):
+    def make(shape, inputs):
+        npt, h = shape["num_per_tokens"], shape["hidden"]
+        (x,) = inputs
+        tokens = x.shape[0] * npt
+        if _tile_kernels() is None or tokens % 128 or h % 64:
+            return None  # TileKernels takes multiples of 128 tokens and 64 channels only
+        if transposed and shape["in_dtype"] != "bfloat16":
+            return None  # its transposing cast takes bf16 only
+        if not transposed and (npt != 128 or h % 128):
+            return None  # its per_channel_cast: 128 tokens per scale (its kernel tiles 128 channels)
+        from tile_kernels import quant
+
+        fn = quant.per_channel_cast_and_transpose if transposed else quant.per_channel_cast
+        x2 = x.view(tokens, h)
+        return lambda: fn(x2, "e4m3", npt, shape["round_scale"])
 
     return make
 
@@ -633,4 +670,19 @@ SHAPES.update({
         {"num_tokens": 4096, "hidden": 7168, "block_m": 128, "block_k": 128},
         {"num_tokens": 32768, "hidden": 7168, "block_m": 128, "block_k": 128},
     ],
+})
+
+
+TORCH.update({"per_channel_cast": _per_channel_torch(False),
+              "per_channel_cast_and_transpose": _per_channel_torch(True)})
+TILE_KERNELS.update({"per_channel_cast": _per_channel_tk(False),
+                     "per_channel_cast_and_transpose": _per_channel_tk(True)})
+SHAPES.update({  # TileKernels' benchmark: 4096 tokens (and 8064 = 8001 aligned), its hidden sizes, 32/128 per scale
+    "per_channel_cast": [
+        {"token_blocks": 32, "hidden": h, "num_per_tokens": 128} for h in (7168, 4096, 2048)
+    ] + [{"token_blocks": 256, "hidden": 7168, "num_per_tokens": 128}],
+    "per_channel_cast_and_transpose": [
+        {"token_blocks": 4096 // npt, "hidden": h, "num_per_tokens": npt} for npt in (128, 32) for h in (7168, 2048)
+    ] + [{"token_blocks": 63, "hidden": 7168, "num_per_tokens": 128},
+         {"token_blocks": 1024, "hidden": 7168, "num_per_tokens": 32, "round_scale": True}],
 })

@@ -1,6 +1,7 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` and `per_token_cast_with_sf_only`
 for fmt='e4m3' (its per_token_cast kernels), `per_block_cast`, `per_block_cast_with_sf_only` and
-`per_block_cast_with_precomputed_sf` for fmt='e4m3' (its per_block_cast kernels), `cast_back` and
+`per_block_cast_with_precomputed_sf` for fmt='e4m3' (its per_block_cast kernels), `per_channel_cast` and
+`per_channel_cast_and_transpose` for fmt='e4m3' (its kernels of the same names), `cast_back` and
 `per_token_cast_back` (its cast_back kernels) and `unpack_from_e2m1fn_x2` (torch); every other function or
 option raises NotImplementedError naming it.
 
@@ -32,6 +33,15 @@ ceil(num_tokens / block_m) scale rows and ceil(hidden / block_k) columns: row-ma
 column-major, or packed UE8M0 int32 (four column blocks per int32). `_with_sf_only` returns the scales
 (tkjit's kernel writes the values too; they are dropped); `_with_precomputed_sf` takes float32 row-major
 scales (any row stride; not column-major nor packed, as TileKernels asserts) and returns the values.
+
+per_channel_cast(x, 'e4m3', num_per_tokens) and per_channel_cast_and_transpose (tkjit's kernels of the
+same names) return
+    values  (num_tokens, hidden) torch.float8_e4m3fn, resp. transposed (hidden, num_tokens); contiguous
+    scales  (num_tokens / num_per_tokens, hidden) torch.float32, row-major: one per channel and block of
+            num_per_tokens consecutive tokens
+for x bf16 or float32 (TileKernels' transpose takes bf16 only) and num_per_tokens 32 or 128 (TileKernels'
+per_channel_cast takes 128 only); num_tokens a multiple of num_per_tokens, hidden of 16 (TileKernels asks
+for multiples of 128 and 64).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ FAMILY = "quant"
 FORMATS = ("e5m6", "e4m3", "e2m1")  # TileKernels' formats; tkjit casts to e4m3
 BACK_FORMATS = ("bf16", "fp32")  # cast_back's output formats
 GROUPS = (16, 32, 64, 128)  # TileKernels' per-token group sizes, besides num_per_channels == hidden
+PER_CHANNEL_TOKENS = (32, 128)  # tokens per scale of the per-channel casts
 __all__ = [
     "swiglu_forward_and_per_channel_cast_and_transpose", "per_channel_cast", "per_channel_cast_fused",
     "per_channel_cast_and_transpose", "swiglu_forward_and_per_token_cast", "swiglu_backward_and_per_token_cast",
@@ -151,8 +162,40 @@ def swiglu_forward_and_per_channel_cast_and_transpose(
     raise missing("quant.swiglu_forward_and_per_channel_cast_and_transpose", FAMILY)
 
 
+def _per_channel_cast(
+    fn: str, x, fmt, num_per_tokens, round_sf, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TileKernels' per_channel_cast(_and_transpose) checks, then tkjit's kernel: (values, scales)."""
+    if not isinstance(fmt, str) or fmt != "e4m3":  # TileKernels asserts fmt == 'e4m3' here, whatever it casts to
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be 'e4m3', got {fmt!r}")
+    tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
+    if not x.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: x must be contiguous, got strides {x.stride()} for shape "
+                          f"{tuple(x.shape)}")
+    npt = as_int(fn, "num_per_tokens", num_per_tokens)
+    if npt not in PER_CHANNEL_TOKENS:
+        raise ShapeError(f"tile_kernels.{fn}: num_per_tokens must be one of {list(PER_CHANNEL_TOKENS)}, got {npt}")
+    n, hidden = x.shape
+    if hidden % 16:  # (TileKernels asks for a multiple of 64)
+        raise ShapeError(f"tile_kernels.{fn}: hidden (x.shape[1] = {hidden}) must be a multiple of 16")
+    if n % npt:
+        raise ShapeError(f"tile_kernels.{fn}: num_tokens (x.shape[0] = {n}) must be a multiple of num_per_tokens "
+                         f"({npt})")
+    round_scale = bool(round_sf)
+    name = "per_channel_cast_and_transpose" if transposed else "per_channel_cast"
+    in_dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
+    require_kernel(fn, FAMILY, name,
+                   {"hidden": hidden, "num_per_tokens": npt, "in_dtype": in_dtype, "round_scale": round_scale},
+                   {"hidden": "hidden (x.shape[1])", "in_dtype": "x.dtype"},
+                   {"token_blocks": max(1, n // npt)})
+    op = ops.per_channel_cast_and_transpose if transposed else ops.per_channel_cast
+    return op(x, npt, round_scale=round_scale)
+
+
 def per_channel_cast(x: torch.Tensor, fmt: str, num_per_tokens: int, round_sf: bool = False) -> QuantTensor:
-    raise missing("quant.per_channel_cast", FAMILY)
+    """Cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3 with one float32 scale per channel and block of
+    num_per_tokens tokens: (values (num_tokens, hidden), scales (num_tokens / num_per_tokens, hidden))."""
+    return _per_channel_cast("quant.per_channel_cast", x, fmt, num_per_tokens, round_sf, transposed=False)
 
 
 def per_channel_cast_fused(
@@ -172,7 +215,10 @@ def per_channel_cast_and_transpose(
     num_per_tokens: int,
     round_sf: bool = False,
 ) -> QuantTensor:
-    raise missing("quant.per_channel_cast_and_transpose", FAMILY)
+    """per_channel_cast with the values transposed: (values (hidden, num_tokens), scales
+    (num_tokens / num_per_tokens, hidden))."""
+    return _per_channel_cast("quant.per_channel_cast_and_transpose", x, fmt, num_per_tokens, round_sf,
+                             transposed=True)
 
 
 def swiglu_forward_and_per_token_cast(

@@ -1,0 +1,164 @@
+"""What the per-channel FP8 casts share: shapes, tensors, reference, inputs, traffic, the scale maths.
+
+per_channel_cast and per_channel_cast_and_transpose cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3
+with one float32 scale per channel and block of `num_per_tokens` consecutive tokens (TileKernels'
+block (num_per_tokens, 1)):
+    amax  = max(|x[t, c]|) over the block's tokens t, clamped to >= 1e-4
+    scale = amax / 448                      (IEEE division; the dequantisation factor, stored)
+    round_scale: scale = 2^ceil(log2(scale)) (UE8M0: exponent rounded up), inv = 1 / scale
+    else:        inv = 448 / amax
+    out   = fp8_e4m3(clamp(x * inv, -448, 448))   (round to nearest even)
+scales is (num_tokens / num_per_tokens, hidden) float32, row-major, as TileKernels returns it; the
+values are (num_tokens, hidden) (per_channel_cast) or transposed, (hidden, num_tokens)
+(per_channel_cast_and_transpose). Bit-exact with TileKernels' torch reference `cast(x, 'e4m3',
+block_size=(num_per_tokens, 1))` for finite inputs (the same operations in the same order: a max,
+two IEEE divisions or a power-of-two reciprocal, one multiply, a clamp, one rounding).
+
+Why the kernels see x as (token_blocks, num_per_tokens, hidden): the scales' leading size is
+num_tokens / num_per_tokens, and a tensor dim is a runtime size or a number from static params, never
+a quotient of a runtime size. Making the runtime size the block count keeps every tensor fully checked
+by the launcher: x and the values are 3-D views of the (num_tokens, hidden) / (hidden, num_tokens)
+tensors ((hidden, num_tokens) contiguous is (hidden, token_blocks, num_per_tokens) contiguous), the
+scales (token_blocks, hidden). num_tokens must therefore be a multiple of num_per_tokens (TileKernels
+asks for a multiple of 128); `tkjit.ops` makes the views and refuses other token counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance
+
+FP8_MAX = 448.0
+AMAX_MIN = 1e-4
+TOKENS_PER_SCALE = (32, 128)  # TileKernels' num_per_tokens (per_channel_cast_and_transpose takes both)
+ELEM_BYTES = {"bfloat16": 2, "float32": 4}
+MAX_ELEMS_PER_THREAD = 128  # registers per thread for staged x
+
+PARAMS = (
+    # hi: the 1-D grids (blocks x channel tiles) stay under 2^31.
+    Runtime("token_blocks", hi=1 << 18, doc="num_tokens / num_per_tokens; runtime, tuned per power-of-two bucket"),
+    Static("hidden", lo=16, hi=65536, default=7168, doc="channels; a multiple of 16"),
+    Static("num_per_tokens", values=TOKENS_PER_SCALE, default=128, doc="tokens per scale (TileKernels' block)"),
+    Static("in_dtype", type=str, values=tuple(ELEM_BYTES), default="bfloat16"),
+    Static("round_scale", type=bool, default=False, doc="round scales up to powers of two (UE8M0)"),
+)
+
+
+def elem_bytes(shape) -> int:
+    return ELEM_BYTES[shape["in_dtype"]]
+
+
+def num_tokens(shape) -> int:
+    return shape["token_blocks"] * shape["num_per_tokens"]
+
+
+def check_hidden(shape, valid) -> str | None:
+    """check_shape of both specs: hidden a multiple of 16 (whole 16-byte vectors per row, whatever the
+    config), and at least one config of the space (`valid(shape)`) builds."""
+    if shape["hidden"] % 16:
+        return f"hidden={shape['hidden']} must be a multiple of 16 (vector loads and stores)"
+    if not valid(shape):
+        return "no config of the space fits this shape"
+    return None
+
+
+def arch_constraint(arch, c, shape):
+    if arch == "cpu":
+        return "needs warp-level code and FP8 conversions: CUDA targets only"
+    return None
+
+
+def pass_configs(c):
+    # Bounds are checked by hand (whole vectors on the tail tiles); TileLang's automatic per-element
+    # guards would block vectorisation.
+    return {"tl.disable_safe_memory_legalize": True, "tl.disable_warp_specialized": True}
+
+
+X = TensorArg("x", lambda s: s["in_dtype"], ("token_blocks", "num_per_tokens", "hidden"))
+SCALES = TensorArg("scales", "float32", ("token_blocks", "hidden"))
+
+
+def make_inputs(shape, device="cpu", seed=0):
+    """x (token_blocks, num_per_tokens, hidden): channels spanning many magnitudes, some under the
+    amax clamp, one all zero; one token block scaled far up (a block's scale must not leak into the
+    next block's)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    nb, npt, h = shape["token_blocks"], shape["num_per_tokens"], shape["hidden"]
+    x = torch.randn(nb, npt, h, generator=g, dtype=torch.float32)
+    x = x * torch.exp(2 * torch.randn(1, 1, h, generator=g))
+    x[:, :, 3::17] *= 1e-7
+    if h > 5:
+        x[:, :, 5] = 0
+    if nb > 1:
+        x[1] *= 64.0
+    return (x.to(getattr(torch, shape["in_dtype"])).to(device),)
+
+
+def reference_blocks(shape, x):
+    """(values (token_blocks, num_per_tokens, hidden) fp8, scales (token_blocks, hidden) float32)."""
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True).clamp(min=AMAX_MIN)
+    full = torch.full_like(amax, FP8_MAX)
+    sf = amax / full
+    if shape["round_scale"]:
+        sf = ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+        inv = torch.ones_like(sf) / sf
+    else:
+        inv = full / amax
+    q = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, sf.squeeze(1)
+
+
+def bytes_moved(s) -> int:
+    """x read once, the FP8 values written once, the scales written once."""
+    n, h = num_tokens(s), s["hidden"]
+    return n * h * (elem_bytes(s) + 1) + s["token_blocks"] * h * 4
+
+
+EXAMPLES = (
+    {"token_blocks": 32, "hidden": 7168},  # 4096 tokens, 128 per scale
+    {"token_blocks": 256, "hidden": 7168},  # 32768 tokens
+    {"token_blocks": 128, "hidden": 4096, "num_per_tokens": 32, "round_scale": True},
+    {"token_blocks": 63, "hidden": 2048, "in_dtype": "float32"},
+)
+
+COMMON = dict(
+    family="quant",
+    params=PARAMS,
+    arch_constraint=arch_constraint,
+    pass_configs=pass_configs,
+    inputs=(X,),
+    make_inputs=make_inputs,
+    bytes_moved=bytes_moved,
+    tolerance=Tolerance(exact=True),
+    examples=EXAMPLES,
+)
+
+
+def scale_blocks(round_scale: bool):
+    """TileLang pieces over local float32 buffers:
+
+    scale_and_inv(amax, sf, inv, e)  amax[e] (the block's max |x|) -> clamped; sf[e] the stored scale,
+                                     inv[e] the factor the values are multiplied by (IEEE divisions)
+    quantise(v, inv_e)               the FP8 value of v (any float type) times inv_e, clamped to +-448
+    """
+    from tilelang import language as T
+
+    f32 = T.float32
+
+    @T.macro
+    def scale_and_inv(amax, sf, inv, e):
+        amax[e] = T.max(amax[e], f32(AMAX_MIN))
+        sf[e] = T.ieee_fdiv(amax[e], f32(FP8_MAX))
+        if round_scale:
+            # 2^ceil(log2(sf)): add all-ones mantissa, keep the exponent (sf > 0, normal).
+            sf[e] = T.reinterpret((T.reinterpret(sf[e], T.uint32) + T.uint32(0x007FFFFF)) & T.uint32(0x7F800000), f32)
+            inv[e] = T.ieee_fdiv(f32(1.0), sf[e])
+        else:
+            inv[e] = T.ieee_fdiv(f32(FP8_MAX), amax[e])
+
+    def quantise(v, inv_e):
+        return T.cast(T.max(T.min(T.cast(v, f32) * inv_e, f32(FP8_MAX)), f32(-FP8_MAX)), T.float8_e4m3fn)
+
+    return scale_and_inv, quantise
