@@ -363,6 +363,13 @@ def test_packed_ue8m0_matches_tile_kernels(hidden, group):
                             use_packed_ue8m0=True)
     for want in (sf_tk, sf_ref):
         assert sf.dtype == want.dtype == torch.int32 and sf.shape == want.shape and sf.stride() == want.stride()
-        assert torch.equal(sf, want)
+    assert torch.equal(sf, sf_ref)  # the reference zero-pads the bytes past the last group, as tkjit does
+    # TileKernels' kernel leaves those padding bytes unspecified (0x3D seen at hidden 576, group 128):
+    # compare its words on the bytes of real groups only.
+    groups = -(-hidden // group)
+    keep = torch.full((sf.shape[1],), -1, dtype=torch.int64, device=sf.device)
+    if groups % 4:
+        keep[-1] = (1 << (8 * (groups % 4))) - 1
+    assert torch.equal(sf.to(torch.int64) & keep, sf_tk.to(torch.int64) & keep)
     assert torch.equal(q.view(torch.uint8), q_tk.view(torch.uint8))
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

@@ -20,6 +20,7 @@
 #             # get_fused_mapping / top2_sum_gate benchmark (kernel plans for optional inputs, caller sizes)
 #   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #             # short, host cost, and the transpose / per_token_cast benchmark
+#   bench     # the benchmark table of $KERNELS (tools/bench.py; COMPILE=1 adds torch.compile)
 #   profile   # where launch-bound calls spend their time ($KERNELS, default the routing counters),
 #             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py)
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
@@ -171,6 +172,11 @@ catalog)
   fi
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
   [ -f "$OUT/pretune.txt" ] && tail -n 30 "$OUT/pretune.txt"; [ -f "$OUT/bench.txt" ] && tail -n 40 "$OUT/bench.txt"
+  ;;
+bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile)
+  timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
+    --kernels ${KERNELS//,/ } --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
+  tail -n 80 "$OUT/bench.txt"
   ;;
 profile)
   timeout "${PROFILE_TIMEOUT:-70}" python benchmarks/h200/scripts/profile_calls.py \
