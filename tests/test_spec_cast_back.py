@@ -397,3 +397,15 @@ def test_compiles_for_sm90a(cache_dir, name, shape, config):
     assert ("int* __restrict__ sf" in src) == (shape.get("sf_dtype") == "int32")
     if shape.get("in_fmt") == "e2m1":
         assert "1056964608" in src  # 126 << 23: the e2m1 decode's exponent bias
+
+
+@pytest.mark.parametrize("name, maker", [("cast_back", "make_inputs_rowmajor"),
+                                         ("cast_back_colmajor", "make_inputs_colmajor")])
+def test_make_inputs_keep_their_strided_scales_on_another_device(name, maker):
+    """Odd seeds' scales are a row-strided view; moving a view to another device copies it contiguous, so the
+    inputs are built there (meta stands in for CUDA here). The strided GPU test found the layout lost."""
+    from tkjit_kernels.quant import cast_back as cb
+
+    full = tkjit.get_spec(name).canonical_shape({"num_tokens": 5, "num_sf_rows": 5, "hidden": 576})
+    _, sf = getattr(cb, maker)(full, "meta", 1)
+    assert sf.device.type == "meta" and sf.stride(1) == 1 and sf.stride(0) > sf.shape[1]

@@ -273,26 +273,27 @@ def make_inputs(shape, device="cpu", seed=0):
 
 def make_inputs_colmajor(shape, device="cpu", seed=0):
     x, sf = make_inputs(shape, "cpu", seed)
-    sf = _colmajor_storage(sf, torch.Generator(device="cpu").manual_seed(seed + 1))
-    return x.to(device), sf.to(device)
+    return x.to(device), _colmajor_storage(sf, torch.Generator(device="cpu").manual_seed(seed + 1), device)
 
 
 def make_inputs_rowmajor(shape, device="cpu", seed=0):
     x, sf = make_inputs(shape, "cpu", seed)
     if seed % 2:  # odd seeds: the scales as a row-strided view of a wider buffer
-        wide = torch.full((sf.shape[0], sf.shape[1] + 3), float("nan"))
-        wide[:, : sf.shape[1]] = sf
-        sf = wide[:, : sf.shape[1]]
+        # made on the target device: .to(device) would copy the view into a contiguous tensor
+        wide = torch.full((sf.shape[0], sf.shape[1] + 3), float("nan"), device=device)
+        wide[:, : sf.shape[1]] = sf.to(device)
+        return x.to(device), wide[:, : sf.shape[1]]
     return x.to(device), sf.to(device)
 
 
-def _colmajor_storage(s, g):
+def _colmajor_storage(s, g, device="cpu"):
     """(rows, cols) scales -> the (cols, rows) storage view of their column-major, TMA-aligned buffer
-    (cols, align(rows, 4)), the padding filled with garbage the kernel must not read."""
+    (cols, align(rows, 4)) on device, the padding filled with garbage the kernel must not read. (Made on
+    the device: moving the view there would copy it into a contiguous tensor, losing the layout.)"""
     rows, cols = s.shape
     buf = torch.randint(0, 255, (cols, -(-rows // 4) * 4 * s.element_size()), generator=g, dtype=torch.int32)
-    buf = buf.to(torch.uint8).view(s.dtype)
-    buf[:, :rows] = s.T
+    buf = buf.to(torch.uint8).view(s.dtype).to(device)
+    buf[:, :rows] = s.T.to(device)
     return buf[:, :rows]
 
 

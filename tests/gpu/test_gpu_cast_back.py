@@ -90,7 +90,7 @@ def test_strided_x_and_scales():
     buf = torch.zeros(4001, 7168 + 64, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
     buf[:, 16:16 + 7168] = x
     xs = buf[:, 16:16 + 7168]
-    assert sf.stride() == (59, 1)  # odd seeds: a row-strided scale view
+    assert sf.stride(1) == 1 and sf.stride(0) > sf.shape[1]  # odd seeds: a row-strided scale view
     got = kern(xs, sf)
     want = kern.spec.reference(kern.shape | {"num_tokens": 4001, "num_sf_rows": 4001}, x.cpu(), sf.cpu())
     assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
@@ -149,8 +149,16 @@ def test_opcheck(case):
         q, sf = tkjit.ops.per_token_cast(x, 128, col_major_scales=case == "col")
         op = torch.ops.tkjit.cast_back.default if case == "row" else torch.ops.tkjit.cast_back_colmajor.default
         args = (q, sf if case == "row" else sf.T, 1, 128, "float32")
-    result = torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)
-    assert result == dict.fromkeys(OPCHECK_TESTS, "SUCCESS"), result
+    # opcheck's test_schema compares the inputs before and after with a multiply, which torch has no
+    # float8 kernel for ("mul_cuda" not implemented for 'Float8_e4m3fn'): for float8 values the schema's
+    # "mutates nothing" is checked here on the bytes instead.
+    tests = OPCHECK_TESTS if q.dtype != torch.float8_e4m3fn else OPCHECK_TESTS[1:]
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    result = torch.library.opcheck(op, args, test_utils=tests)
+    assert result == dict.fromkeys(tests, "SUCCESS"), result
+    op(*args)
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(b.view(torch.uint8), a.view(torch.uint8)) for b, a in zip(before, after))
 
 
 def test_report_time_at_target():
