@@ -544,6 +544,8 @@ def _cast_back_torch(col_major):
         ref = reference_colmajor if col_major else reference
         return lambda x, sf: ref(shape, x, sf)  # plain torch eager: decode, expand the scales, multiply
 
+    return make
+
 
 # -- per_channel_cast, per_channel_cast_and_transpose -------------------------------------------------
 # The specs' x is the (token_blocks, num_per_tokens, hidden) view of TileKernels' (num_tokens, hidden) x.
@@ -577,6 +579,8 @@ def _cast_back_tk(col_major):
         fmt = "bf16" if shape["out_dtype"] == "bfloat16" else "fp32"
         return lambda: cast_back((x, sf), fmt, (shape["block_tokens"], shape["block_channels"]))
 
+    return make
+
 
 # -- per_block_cast ----------------------------------------------------------------------------------
 
@@ -601,6 +605,8 @@ def _block_cast_tk(col_major):
         (x,) = inputs
         block = (shape["block_m"], shape["block_k"])
         return lambda: per_block_cast(x, "e4m3", block, col_major, shape["round_scale"])
+
+    return make
 
 
 def _per_channel_tk(transposed):
