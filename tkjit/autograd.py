@@ -83,21 +83,24 @@ def sinkhorn(
 
 
 class _MhcOnce(torch.autograd.Function):
-    """Identity on a gradient whose own backward (a double backward) raises naming the op."""
+    """Identity on a gradient, made to depend on what it depends on (the upstream gradient, the saved
+    inputs), whose own backward (a double backward) raises naming the op."""
 
     @staticmethod
-    def forward(ctx, op, grad):
+    def forward(ctx, op, grad, *deps):
         ctx.op = op
         return grad.view_as(grad)
 
     @staticmethod
-    def backward(ctx, _):
+    def backward(ctx, *_):
         raise RuntimeError(torch_ops._mhc_differentiable_once(ctx.op))
 
 
-def _once(op: str, grad):
+def _once(op: str, grad, *deps):
     # create_graph=True: the gradient's own backward must say why it fails, not silently give zeros
-    return _MhcOnce.apply(op, grad) if grad is not None and torch.is_grad_enabled() else grad
+    if grad is None or not torch.is_grad_enabled():
+        return grad
+    return _MhcOnce.apply(op, grad, *deps)
 
 
 class ExpandToMhcFunction(torch.autograd.Function):
@@ -113,7 +116,7 @@ class ExpandToMhcFunction(torch.autograd.Function):
     def backward(ctx, grad):
         with torch.no_grad():
             grad_x = torch_ops.expand_to_mhc_bwd_impl(grad.to(torch.bfloat16).contiguous(), ctx.bwd_config)
-        return _once("expand_to_mhc", grad_x), None, None, None, None
+        return _once("expand_to_mhc", grad_x, grad), None, None, None, None
 
 
 class PreApplyMixFunction(torch.autograd.Function):
@@ -132,7 +135,7 @@ class PreApplyMixFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, mix = ctx.saved_tensors
-        grad = grad.to(torch.bfloat16).contiguous()
+        upstream, grad = grad, grad.to(torch.bfloat16).contiguous()
         acc = residual_grad(x)
         with torch.no_grad():
             if acc is not None:
@@ -140,7 +143,9 @@ class PreApplyMixFunction(torch.autograd.Function):
                 x_grad = None
             else:
                 x_grad, mix_grad = torch_ops.pre_apply_mix_bwd_impl(grad, x, mix, ctx.bwd_config)
-        return _once("mhc_pre_apply_mix", x_grad), _once("mhc_pre_apply_mix", mix_grad), None, None, None
+        deps = (upstream, x, mix)
+        return (_once("mhc_pre_apply_mix", x_grad, *deps), _once("mhc_pre_apply_mix", mix_grad, *deps),
+                None, None, None)
 
 
 def residual_grad(x: torch.Tensor) -> torch.Tensor | None:
