@@ -7,6 +7,11 @@ kernel should not import the whole catalog); a name missing here is still found 
 INDEX = {
     "sinkhorn_fwd": "tkjit_kernels.mhc.sinkhorn",
     "sinkhorn_bwd": "tkjit_kernels.mhc.sinkhorn_bwd",
+    "expand_to_mhc": "tkjit_kernels.mhc.expand_to_mhc",
+    "expand_to_mhc_bwd": "tkjit_kernels.mhc.expand_to_mhc_bwd",
+    "pre_apply_mix": "tkjit_kernels.mhc.pre_apply_mix",
+    "pre_apply_mix_bwd": "tkjit_kernels.mhc.pre_apply_mix_bwd",
+    "pre_apply_mix_bwd_acc": "tkjit_kernels.mhc.pre_apply_mix_bwd",
     "topk_gate": "tkjit_kernels.moe.topk_gate",
     "get_fused_mapping": "tkjit_kernels.moe.get_fused_mapping",
     "normalize_weight": "tkjit_kernels.moe.normalize_weight",

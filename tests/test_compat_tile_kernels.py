@@ -47,7 +47,8 @@ SERVED = {
               "per_token_cast_back", "per_block_cast", "per_block_cast_with_sf_only",
               "per_block_cast_with_precomputed_sf", "per_channel_cast", "per_channel_cast_and_transpose"},
     "transpose": {"transpose", "batched_transpose"},
-    "modeling.mhc.ops": {"sinkhorn_normalize"},
+    "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix"},
+    "modeling.mhc": {"expand_from_embedding"},
     "engram": {"engram_hash", "fused_weight"},
 }
 FAMILY = {"engram": "engram", "modeling.engram": "engram", "modeling.mhc": "mhc", "modeling.mhc.ops": "mhc",

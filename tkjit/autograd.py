@@ -74,3 +74,91 @@ def sinkhorn(
     args = (int(repeat), float(eps), encode_config(fwd_config), encode_config(bwd_config))
     y = SinkhornFunction.apply(flat, *args) if plain(flat) else _sinkhorn_fwd(flat, *args)
     return y.view(x.shape)
+
+
+# -- expand_to_mhc / pre_apply_mix ---------------------------------------------------------------------
+# The eager pairs, as SinkhornFunction: the ops' implementations called directly (torch.compile and
+# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers). Shapes here are the
+# kernels' flat ones; tkjit.ops reshapes TileKernels' (..., mhc_mult, hidden) tensors to them.
+
+
+class _MhcOnce(torch.autograd.Function):
+    """Identity on a gradient, made to depend on what it depends on (the upstream gradient, the saved
+    inputs), whose own backward (a double backward) raises naming the op."""
+
+    @staticmethod
+    def forward(ctx, op, grad, *deps):
+        ctx.op = op
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(torch_ops._mhc_differentiable_once(ctx.op))
+
+
+def _once(op: str, grad, *deps):
+    # create_graph=True: the gradient's own backward must say why it fails, not silently give zeros
+    if grad is None or not torch.is_grad_enabled():
+        return grad
+    return _MhcOnce.apply(op, grad, *deps)
+
+
+class ExpandToMhcFunction(torch.autograd.Function):
+    """Eager expand_to_mhc / expand_to_mhc_bwd: x (num_tokens, hidden) bf16 -> (num_tokens, mhc_mult, hidden),
+    into `out` when given (as TileKernels' ExpandToMHCFn)."""
+
+    @staticmethod
+    def forward(ctx, x, mhc_mult, out, config, bwd_config):
+        ctx.bwd_config = bwd_config
+        return torch_ops.expand_to_mhc_impl(x, mhc_mult, config, out=out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.no_grad():
+            grad_x = torch_ops.expand_to_mhc_bwd_impl(grad.to(torch.bfloat16).contiguous(), ctx.bwd_config)
+        return _once("expand_to_mhc", grad_x, grad), None, None, None, None
+
+
+class PreApplyMixFunction(torch.autograd.Function):
+    """Eager pre_apply_mix and its backward: x (num_tokens, mhc_mult, hidden) bf16, mix (num_tokens, mhc_mult)
+    float32 -> (num_tokens, hidden) bf16, into `out` when given. The backward follows TileKernels'
+    MHCPreApplyMix: when mhc_post's backward left the residual gradient on x's storage
+    (`x.untyped_storage().grad_from_mhc_post`), x's gradient is added into it in place and x gets None;
+    otherwise x gets a fresh gradient."""
+
+    @staticmethod
+    def forward(ctx, x, mix, out, config, bwd_config):
+        ctx.save_for_backward(x, mix)
+        ctx.bwd_config = bwd_config
+        return torch_ops.pre_apply_mix_impl(x, mix, config, out=out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mix = ctx.saved_tensors
+        upstream, grad = grad, grad.to(torch.bfloat16).contiguous()
+        acc = residual_grad(x)
+        with torch.no_grad():
+            if acc is not None:
+                mix_grad = torch_ops.pre_apply_mix_bwd_acc_impl(grad, x, mix, acc, ctx.bwd_config)
+                x_grad = None
+            else:
+                x_grad, mix_grad = torch_ops.pre_apply_mix_bwd_impl(grad, x, mix, ctx.bwd_config)
+        deps = (upstream, x, mix)
+        return (_once("mhc_pre_apply_mix", x_grad, *deps), _once("mhc_pre_apply_mix", mix_grad, *deps),
+                None, None, None)
+
+
+def residual_grad(x: torch.Tensor) -> torch.Tensor | None:
+    """The residual gradient TileKernels' mhc_post backward leaves on x's storage (`grad_from_mhc_post`),
+    viewed as x (num_tokens, mhc_mult, hidden) bf16, or None when there is none."""
+    acc = getattr(x.untyped_storage(), "grad_from_mhc_post", None)
+    if acc is None:
+        return None
+    if not isinstance(acc, torch.Tensor) or acc.dtype != torch.bfloat16 or acc.numel() != x.numel() \
+            or not acc.is_contiguous() or acc.device != x.device:
+        raise TensorError(
+            f"mhc_pre_apply_mix: x.untyped_storage().grad_from_mhc_post must be a contiguous bfloat16 tensor of "
+            f"x's {x.numel()} elements on {x.device}, got {getattr(acc, 'dtype', type(acc).__name__)} "
+            f"{tuple(getattr(acc, 'shape', ()))}"
+        )
+    return acc.view(x.shape)

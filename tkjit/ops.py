@@ -368,3 +368,148 @@ def per_channel_cast_and_transpose(x: torch.Tensor, num_per_tokens: int = 128, *
     if _eager(x):
         return torch_ops.per_channel_cast_and_transpose_impl(*args)
     return torch.ops.tkjit.per_channel_cast_and_transpose.default(*args)
+
+
+# -- expand_to_mhc / mhc_pre_apply_mix ----------------------------------------------------------------
+
+from tkjit.autograd import ExpandToMhcFunction, PreApplyMixFunction  # noqa: E402
+from tkjit.errors import TensorError  # noqa: E402
+
+
+def _mhc_tensor(fn: str, name: str, t, ndim: int, dtype: torch.dtype, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TensorError(f"{fn}: {name} must be a torch.Tensor {what}, got {type(t).__name__}")
+    if t.dim() < ndim:
+        raise TensorError(f"{fn}: {name} must be {what} (at least {ndim}-D), got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TensorError(f"{fn}: {name} must be {dtype} {what}, got {t.dtype}")
+
+
+def _mhc_out(fn: str, out, shape: tuple, device: torch.device, name: str = "out") -> None:
+    """out= must be the contiguous bfloat16 tensor the op returns (TileKernels writes it through a view)."""
+    _mhc_tensor(fn, name, out, len(shape), torch.bfloat16, f"of shape {shape}")
+    if tuple(out.shape) != shape or not out.is_contiguous() or out.device != device:
+        raise TensorError(f"{fn}: {name} must be a contiguous bfloat16 tensor of shape {shape} on {device}, got "
+                          f"{tuple(out.shape)} (contiguous={out.is_contiguous()}) on {out.device}")
+
+
+def check_expand_to_mhc(fn: str, hidden, mhc_mult, out) -> None:
+    """TensorError / ShapeError naming the bad argument of expand_to_mhc (fn: the caller's name)."""
+    _mhc_tensor(fn, "hidden", hidden, 1, torch.bfloat16, "(..., hidden)")
+    if not hidden.is_contiguous():
+        raise TensorError(f"{fn}: hidden must be contiguous, got strides {hidden.stride()}")
+    if isinstance(mhc_mult, bool) or not isinstance(mhc_mult, int) or mhc_mult < 1:
+        raise ShapeError(f"{fn}: mhc_mult must be an int >= 1, got {mhc_mult!r}")
+    if out is not None:
+        _mhc_out(fn, out, (*hidden.shape[:-1], mhc_mult, hidden.shape[-1]), hidden.device)
+
+
+def check_pre_apply_mix(fn: str, x, mix, out) -> None:
+    """TensorError naming the bad argument of mhc_pre_apply_mix: x (..., mhc_mult, hidden) bf16 contiguous,
+    mix (..., mhc_mult, 1) float32 with x's leading dims, out (..., hidden) bf16."""
+    _mhc_tensor(fn, "x", x, 2, torch.bfloat16, "(..., mhc_mult, hidden)")
+    if not x.is_contiguous():
+        raise TensorError(f"{fn}: x must be contiguous, got strides {x.stride()}")
+    _mhc_tensor(fn, "mix", mix, 2, torch.float32, "(..., mhc_mult, 1)")
+    want = (*x.shape[:-1], 1)
+    if tuple(mix.shape) != want:
+        raise TensorError(f"{fn}: mix must have shape {want} (x's leading dims, mhc_mult, 1), got {tuple(mix.shape)}")
+    if mix.device != x.device:
+        raise TensorError(f"{fn}: mix is on {mix.device}, x on {x.device}")
+    if out is not None:
+        _mhc_out(fn, out, (*x.shape[:-2], x.shape[-1]), x.device)
+
+
+def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None = None, *, config=None,
+                  bwd_config=None) -> torch.Tensor:
+    """hidden (..., hidden) bf16 -> (..., mhc_mult, hidden) bf16, each row copied to its mhc_mult residual streams
+    (TileKernels' `expand_to_mhc`), bit-exact; into `out` when given. Differentiable: the gradient runs
+    expand_to_mhc_bwd (the streams summed in float32, in order, rounded once)."""
+    check_expand_to_mhc("expand_to_mhc", hidden, mhc_mult, out)
+    h = hidden.shape[-1]
+    flat = hidden.view(-1, h)
+    o = out.view(-1, mhc_mult, h) if out is not None else None
+    cfg, bcfg = encode_config(config), encode_config(bwd_config)
+    if _eager(flat, *([o] if o is not None else [])):
+        if o is not None:
+            torch_ops.expand_to_mhc_impl(flat, mhc_mult, cfg, out=o)
+            return out
+        return torch_ops.expand_to_mhc_impl(flat, mhc_mult, cfg).view(*hidden.shape[:-1], mhc_mult, h)
+    if plain(flat):
+        y = ExpandToMhcFunction.apply(flat, mhc_mult, o, cfg, bcfg)
+    else:
+        y = torch.ops.tkjit.expand_to_mhc.default(flat, mhc_mult, cfg, bcfg)
+        if o is not None:
+            y = o.copy_(y)
+    return y.view(*hidden.shape[:-1], mhc_mult, h)
+
+
+def expand_to_mhc_bwd(out_grad: torch.Tensor, *, config=None) -> torch.Tensor:
+    """expand_to_mhc's gradient: out_grad (..., mhc_mult, hidden) bf16 -> (..., hidden) bf16, the streams
+    summed in float32 from +0.0 in order and rounded once (TileKernels' backward kernel, bit-exact)."""
+    _mhc_tensor("expand_to_mhc_bwd", "out_grad", out_grad, 2, torch.bfloat16, "(..., mhc_mult, hidden)")
+    m, h = out_grad.shape[-2:]
+    flat = out_grad.reshape(-1, m, h)
+    if _eager(flat):
+        g = torch_ops.expand_to_mhc_bwd_impl(flat, encode_config(config))
+    else:
+        g = torch.ops.tkjit.expand_to_mhc_bwd.default(flat, encode_config(config))
+    return g.view(*out_grad.shape[:-2], h)
+
+
+def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | None = None, *, config=None,
+                      bwd_config=None) -> torch.Tensor:
+    """x (..., mhc_mult, hidden) bf16 residual streams, mix (..., mhc_mult, 1) float32 -> (..., hidden) bf16:
+    sum_m mix * x as float32 fused multiply-adds in stream order from +0.0, rounded once (TileKernels'
+    `mhc_pre_apply_mix`, bit-exact with its kernel); into `out` when given. Differentiable: x's gradient is
+    bf16(fma(mix, grad, base)), mix's <grad, x> in float32. In eager code the backward follows TileKernels:
+    when x's storage carries mhc_post's residual gradient (`x.untyped_storage().grad_from_mhc_post`), x's
+    gradient is added into it in place (one rounding) and x itself gets None. Under torch.compile x always
+    gets its own gradient (autograd then adds it to the residual's other gradients, in bf16)."""
+    check_pre_apply_mix("mhc_pre_apply_mix", x, mix, out)
+    m, h = x.shape[-2:]
+    xf, mf = x.view(-1, m, h), mix.reshape(-1, m)
+    o = out.view(-1, h) if out is not None else None
+    cfg, bcfg = encode_config(config), encode_config(bwd_config)
+    if _eager(xf, mf, *([o] if o is not None else [])):
+        if o is not None:
+            torch_ops.pre_apply_mix_impl(xf, mf, cfg, out=o)
+            return out
+        return torch_ops.pre_apply_mix_impl(xf, mf, cfg).view(*x.shape[:-2], h)
+    if plain(xf) and plain(mf):
+        y = PreApplyMixFunction.apply(xf, mf, o, cfg, bcfg)
+    else:
+        y = torch.ops.tkjit.pre_apply_mix.default(xf, mf, cfg, bcfg)
+        if o is not None:
+            y = o.copy_(y)
+    return y.view(*x.shape[:-2], h)
+
+
+def mhc_pre_apply_mix_bwd(grad_out: torch.Tensor, x: torch.Tensor, mix: torch.Tensor,
+                          x_grad: torch.Tensor | None = None, *, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """mhc_pre_apply_mix's gradients: (x_grad, mix_grad) for grad_out (..., hidden) bf16, x (..., mhc_mult,
+    hidden) bf16, mix (..., mhc_mult, 1) float32. x_grad given (x's shape, bf16, contiguous): the gradient is
+    added into it in place, bf16(fma(mix, grad_out, x_grad)), and it is returned; else a fresh one
+    (base +0.0). mix_grad has mix's shape."""
+    fn = "mhc_pre_apply_mix_bwd"
+    check_pre_apply_mix(fn, x, mix, None)
+    m, h = x.shape[-2:]
+    _mhc_tensor(fn, "grad_out", grad_out, 1, torch.bfloat16, "(..., hidden)")
+    if tuple(grad_out.shape) != (*x.shape[:-2], h):
+        raise TensorError(f"{fn}: grad_out must have shape {(*x.shape[:-2], h)}, got {tuple(grad_out.shape)}")
+    g, xf, mf = grad_out.reshape(-1, h), x.view(-1, m, h), mix.reshape(-1, m)
+    cfg = encode_config(config)
+    eager = _eager(g, xf, mf)
+    if x_grad is not None:
+        _mhc_out(fn, x_grad, tuple(x.shape), x.device, "x_grad")
+        xg = x_grad.view(-1, m, h)
+        if eager and _eager(xg):
+            mix_grad = torch_ops.pre_apply_mix_bwd_acc_impl(g, xf, mf, xg, cfg)
+        else:
+            mix_grad = torch.ops.tkjit.pre_apply_mix_bwd_acc.default(g, xf, mf, xg, cfg)
+        return x_grad, mix_grad.view(mix.shape)
+    if eager:
+        xg, mix_grad = torch_ops.pre_apply_mix_bwd_impl(g, xf, mf, cfg)
+    else:
+        xg, mix_grad = torch.ops.tkjit.pre_apply_mix_bwd.default(g, xf, mf, cfg)
+    return xg.view(x.shape), mix_grad.view(mix.shape)

@@ -1112,3 +1112,170 @@ per_channel_cast_and_transpose = torch.library.custom_op(
 @per_channel_cast_and_transpose.register_fake
 def _(x, num_per_tokens=128, round_scale=False, config=None):
     return _fake_per_channel("per_channel_cast_and_transpose", x, num_per_tokens, round_scale, True)
+
+
+# -- expand_to_mhc / pre_apply_mix (mHC residual streams) --------------------------------------------
+
+def _streams_shape(x, mhc_mult, hidden) -> dict:
+    return {"num_tokens": max(1, int(x.shape[0])), "mhc_mult": mhc_mult, "hidden": hidden}
+
+
+def expand_to_mhc_impl(x, mhc_mult, config=None, bwd_config=None, out=None):
+    """(num_tokens, hidden) bf16 -> (num_tokens, mhc_mult, hidden) bf16, each row copied to every stream;
+    its gradient runs expand_to_mhc_bwd (config bwd_config). out: written in place (eager callers only)."""
+    _need(x, (2,), "expand_to_mhc")
+    kern = get("expand_to_mhc", _streams_shape(x, mhc_mult, int(x.shape[1])), arch=arch_of(x), config=_config(config))
+    return kern(x, out=out) if out is not None else kern(x)
+
+
+expand_to_mhc = torch.library.custom_op(
+    "tkjit::expand_to_mhc", mutates_args=(),
+    schema="(Tensor x, int mhc_mult, str? config=None, str? bwd_config=None) -> Tensor",
+)(expand_to_mhc_impl)
+
+
+@expand_to_mhc.register_fake
+def _(x, mhc_mult, config=None, bwd_config=None, out=None):
+    _need(x, (2,), "expand_to_mhc")
+    _fake_check("expand_to_mhc", {"mhc_mult": mhc_mult, "hidden": int(x.shape[1])}, x)
+    return x.new_empty((x.shape[0], mhc_mult, x.shape[1]))
+
+
+def expand_to_mhc_bwd_impl(out_grad, config=None):
+    """(num_tokens, mhc_mult, hidden) bf16 -> (num_tokens, hidden) bf16: the streams summed in float32, in order."""
+    _need(out_grad, (3,), "expand_to_mhc_bwd")
+    shape = _streams_shape(out_grad, int(out_grad.shape[1]), int(out_grad.shape[2]))
+    return get("expand_to_mhc_bwd", shape, arch=arch_of(out_grad), config=_config(config))(out_grad)
+
+
+expand_to_mhc_bwd = torch.library.custom_op(
+    "tkjit::expand_to_mhc_bwd", mutates_args=(), schema="(Tensor out_grad, str? config=None) -> Tensor",
+)(expand_to_mhc_bwd_impl)
+
+
+@expand_to_mhc_bwd.register_fake
+def _(out_grad, config=None):
+    _need(out_grad, (3,), "expand_to_mhc_bwd")
+    _fake_check("expand_to_mhc_bwd", {"mhc_mult": int(out_grad.shape[1]), "hidden": int(out_grad.shape[2])}, out_grad)
+    return out_grad.new_empty((out_grad.shape[0], out_grad.shape[2]))
+
+
+def _mix_static(name, x, mix) -> dict:
+    _need(x, (3,), name)
+    _need(mix, (2,), f"{name}: mix")
+    return {"mhc_mult": int(x.shape[1]), "hidden": int(x.shape[2])}
+
+
+def pre_apply_mix_impl(x, mix, config=None, bwd_config=None, out=None):
+    """x (num_tokens, mhc_mult, hidden) bf16, mix (num_tokens, mhc_mult) float32 -> (num_tokens, hidden) bf16:
+    sum_m mix * x as fused multiply-adds in stream order, rounded once; its gradient runs pre_apply_mix_bwd."""
+    static = _mix_static("pre_apply_mix", x, mix)
+    kern = get("pre_apply_mix", {"num_tokens": max(1, int(x.shape[0])), **static}, arch=arch_of(x),
+               config=_config(config))
+    return kern(x, mix, out=out) if out is not None else kern(x, mix)
+
+
+pre_apply_mix = torch.library.custom_op(
+    "tkjit::pre_apply_mix", mutates_args=(),
+    schema="(Tensor x, Tensor mix, str? config=None, str? bwd_config=None) -> Tensor",
+)(pre_apply_mix_impl)
+
+
+@pre_apply_mix.register_fake
+def _(x, mix, config=None, bwd_config=None, out=None):
+    _fake_check("pre_apply_mix", _mix_static("pre_apply_mix", x, mix), x, mix)
+    torch._check(mix.shape[0] == x.shape[0], lambda: "pre_apply_mix: x and mix differ in num_tokens")
+    return x.new_empty((x.shape[0], x.shape[2]))
+
+
+def pre_apply_mix_bwd_impl(grad_out, x, mix, config=None):
+    """(x_grad, mix_grad) of pre_apply_mix: x_grad = bf16(fma(mix, grad_out, +0.0)) (num_tokens, mhc_mult,
+    hidden), mix_grad = <grad_out, x> float32 (num_tokens, mhc_mult)."""
+    static = _mix_static("pre_apply_mix_bwd", x, mix)
+    kern = get("pre_apply_mix_bwd", {"num_tokens": max(1, int(x.shape[0])), **static}, arch=arch_of(x),
+               config=_config(config))
+    return kern(grad_out, x, mix)
+
+
+pre_apply_mix_bwd = torch.library.custom_op(
+    "tkjit::pre_apply_mix_bwd", mutates_args=(),
+    schema="(Tensor grad_out, Tensor x, Tensor mix, str? config=None) -> (Tensor, Tensor)",
+)(pre_apply_mix_bwd_impl)
+
+
+def _fake_mix_bwd(name, grad_out, x, mix):
+    _need(grad_out, (2,), f"{name}: grad_out")
+    _fake_check(name, _mix_static(name, x, mix), grad_out, x, mix)
+    torch._check(grad_out.shape[0] == x.shape[0], lambda: f"{name}: grad_out and x differ in num_tokens")
+    torch._check(mix.shape[0] == x.shape[0], lambda: f"{name}: x and mix differ in num_tokens")
+
+
+@pre_apply_mix_bwd.register_fake
+def _(grad_out, x, mix, config=None):
+    _fake_mix_bwd("pre_apply_mix_bwd", grad_out, x, mix)
+    return x.new_empty(x.shape), mix.new_empty(mix.shape)
+
+
+def pre_apply_mix_bwd_acc_impl(grad_out, x, mix, x_grad, config=None):
+    """pre_apply_mix_bwd adding into x_grad in place (x_grad = bf16(fma(mix, grad_out, x_grad)), TileKernels'
+    accumulation into the residual gradient); returns mix_grad."""
+    static = _mix_static("pre_apply_mix_bwd_acc", x, mix)
+    kern = get("pre_apply_mix_bwd_acc", {"num_tokens": max(1, int(x.shape[0])), **static}, arch=arch_of(x),
+               config=_config(config))
+    _, mix_grad = kern(grad_out, x, mix, x_grad)
+    return mix_grad
+
+
+pre_apply_mix_bwd_acc = torch.library.custom_op(
+    "tkjit::pre_apply_mix_bwd_acc", mutates_args=("x_grad",),
+    schema="(Tensor grad_out, Tensor x, Tensor mix, Tensor(a!) x_grad, str? config=None) -> Tensor",
+)(pre_apply_mix_bwd_acc_impl)
+
+
+@pre_apply_mix_bwd_acc.register_fake
+def _(grad_out, x, mix, x_grad, config=None):
+    _fake_mix_bwd("pre_apply_mix_bwd_acc", grad_out, x, mix)
+    _fake_check("pre_apply_mix_bwd_acc", _mix_static("pre_apply_mix_bwd_acc", x, mix), grad_out, x, mix, x_grad)
+    return mix.new_empty(mix.shape)
+
+
+def _mhc_differentiable_once(op: str) -> str:
+    return (f"tkjit: {op} is differentiable once: its backward kernel has no gradient (double backward, e.g. "
+            "through create_graph=True, is not supported)")
+
+
+def _expand_to_mhc_setup_context(ctx, inputs, output):
+    ctx.bwd_config = inputs[3]
+
+
+def _expand_to_mhc_backward(ctx, grad):
+    grad = grad.to(torch.bfloat16).contiguous()
+    return torch.ops.tkjit.expand_to_mhc_bwd.default(grad, ctx.bwd_config), None, None, None
+
+
+def _pre_apply_mix_setup_context(ctx, inputs, output):
+    x, mix, _, bwd_config = inputs
+    ctx.save_for_backward(x, mix)
+    ctx.bwd_config = bwd_config
+
+
+def _pre_apply_mix_backward(ctx, grad):
+    x, mix = ctx.saved_tensors
+    x_grad, mix_grad = torch.ops.tkjit.pre_apply_mix_bwd.default(grad.to(torch.bfloat16).contiguous(), x, mix,
+                                                                 ctx.bwd_config)
+    return x_grad, mix_grad, None, None
+
+
+def _no_double_backward_of(op):
+    def backward(ctx, *grads):
+        raise RuntimeError(_mhc_differentiable_once(op))
+
+    return backward
+
+
+expand_to_mhc.register_autograd(_expand_to_mhc_backward, setup_context=_expand_to_mhc_setup_context)
+pre_apply_mix.register_autograd(_pre_apply_mix_backward, setup_context=_pre_apply_mix_setup_context)
+expand_to_mhc_bwd.register_autograd(_no_double_backward_of("expand_to_mhc"),
+                                    setup_context=lambda ctx, inputs, output: None)
+pre_apply_mix_bwd.register_autograd(_no_double_backward_of("mhc_pre_apply_mix"),
+                                    setup_context=lambda ctx, inputs, output: None)

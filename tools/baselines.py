@@ -692,3 +692,83 @@ SHAPES.update({  # TileKernels' benchmark: 4096 tokens (and 8064 = 8001 aligned)
     ] + [{"token_blocks": 63, "hidden": 7168, "num_per_tokens": 128},
          {"token_blocks": 1024, "hidden": 7168, "num_per_tokens": 32, "round_scale": True}],
 })
+
+
+# -- expand_to_mhc, pre_apply_mix (mHC residual streams) ---------------------------------------------
+
+def _expand_mhc_torch(shape):
+    m = shape["mhc_mult"]
+    return lambda x: x.unsqueeze(-2).expand(x.shape[0], m, x.shape[-1]).contiguous()
+
+
+def _expand_mhc_bwd_torch(shape):
+    return lambda out_grad: out_grad.float().sum(1).bfloat16()
+
+
+def _pre_apply_mix_torch(shape):
+    return lambda x, mix: (x * mix[..., None]).sum(-2).bfloat16()  # TileKernels' mhc_pre_apply_mix_ref
+
+
+def _pre_apply_mix_bwd_torch(shape):
+    def f(grad_out, x, mix, x_grad=None):
+        g = grad_out.float()
+        xg = mix[..., None] * g[:, None, :]
+        xg = (xg + x_grad.float() if x_grad is not None else xg).bfloat16()
+        return xg, torch.einsum("ni,nmi->nm", g, x.float())
+
+    return f
+
+
+def _expand_mhc_tk(bwd):
+    def factory(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.mhc.expand_kernel import expand_to_mhc_bwd_tl, expand_to_mhc_fwd_tl
+
+        (t,) = inputs
+        n, m, h = shape["num_tokens"], shape["mhc_mult"], shape["hidden"]
+        kernel = (expand_to_mhc_bwd_tl if bwd else expand_to_mhc_fwd_tl)(h, m)
+        out = t.new_empty((n, h) if bwd else (n, m, h))
+        return lambda: kernel(t, out)
+
+    return factory
+
+
+def _pre_apply_mix_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.mhc.pre_apply_mix_kernel import _mhc_pre_apply_mix_fwd
+
+    x, mix = inputs
+    kernel = _mhc_pre_apply_mix_fwd(shape["mhc_mult"], shape["hidden"])
+    out = x.new_empty((shape["num_tokens"], shape["hidden"]))
+    return lambda: kernel(x, mix, out)
+
+
+def _pre_apply_mix_bwd_tk(acc):
+    def factory(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.mhc.pre_apply_mix_kernel import _mhc_pre_apply_mix_bwd
+
+        kernel = _mhc_pre_apply_mix_bwd(shape["mhc_mult"], shape["hidden"])
+        if acc:  # into the residual gradient, in place
+            grad_out, x, mix, x_grad = inputs
+            return lambda: kernel(grad_out, x, mix, x_grad)
+        grad_out, x, mix = inputs  # its backward without a residual gradient: zeros_like(x), then the kernel
+        return lambda: kernel(grad_out, x, mix, torch.zeros_like(x))
+
+    return factory
+
+
+TORCH.update({"expand_to_mhc": _expand_mhc_torch, "expand_to_mhc_bwd": _expand_mhc_bwd_torch,
+              "pre_apply_mix": _pre_apply_mix_torch, "pre_apply_mix_bwd": _pre_apply_mix_bwd_torch,
+              "pre_apply_mix_bwd_acc": _pre_apply_mix_bwd_torch})
+TILE_KERNELS.update({"expand_to_mhc": _expand_mhc_tk(False), "expand_to_mhc_bwd": _expand_mhc_tk(True),
+                     "pre_apply_mix": _pre_apply_mix_tk, "pre_apply_mix_bwd": _pre_apply_mix_bwd_tk(False),
+                     "pre_apply_mix_bwd_acc": _pre_apply_mix_bwd_tk(True)})
+# TileKernels' tests: n0 * n1 tokens (n0 1 or 2, n1 1024 to 8192), mhc_mult 4, hidden 1280 to 7680.
+_MHC_SHAPES = [{"num_tokens": 4096, "mhc_mult": 4, "hidden": 7168}, {"num_tokens": 8192, "mhc_mult": 4, "hidden": 7168},
+               {"num_tokens": 8192, "mhc_mult": 4, "hidden": 2560}, {"num_tokens": 2048, "mhc_mult": 4, "hidden": 1280}]
+SHAPES.update({name: list(_MHC_SHAPES) for name in ("expand_to_mhc", "expand_to_mhc_bwd", "pre_apply_mix",
+                                                    "pre_apply_mix_bwd", "pre_apply_mix_bwd_acc")})

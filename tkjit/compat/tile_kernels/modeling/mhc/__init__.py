@@ -1,5 +1,6 @@
-"""TileKernels' `modeling.mhc`: the fused mHC layer functions. tkjit has none yet (each raises
-NotImplementedError naming it); its Sinkhorn op is `modeling.mhc.ops.sinkhorn_normalize`."""
+"""TileKernels' `modeling.mhc`: the fused mHC layer functions. tkjit serves `expand_from_embedding`
+(`ops.expand_to_mhc`); the others raise NotImplementedError naming them. Its Sinkhorn op is
+`modeling.mhc.ops.sinkhorn_normalize`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ __all__ = ["expand_from_embedding", "mhc_head", "mhc_pre", "ops"]
 
 
 def expand_from_embedding(x: torch.Tensor, mhc_mult: int = 4) -> torch.Tensor:
-    raise missing("modeling.mhc.expand_from_embedding", FAMILY)
+    """The embedding (..., hidden) bf16 expanded to the mHC residual (..., mhc_mult, hidden): `ops.expand_to_mhc`."""
+    return ops.expand_to_mhc(x, mhc_mult)
 
 
 def mhc_head(

@@ -1,5 +1,6 @@
 """TileKernels' `modeling.mhc.ops`: the mHC ops. tkjit serves `sinkhorn_normalize` (its sinkhorn_fwd /
-sinkhorn_bwd kernels); the others raise NotImplementedError naming them."""
+sinkhorn_bwd kernels), `expand_to_mhc` (expand_to_mhc / expand_to_mhc_bwd) and `mhc_pre_apply_mix`
+(pre_apply_mix / pre_apply_mix_bwd[_acc]); the others raise NotImplementedError naming them."""
 
 from __future__ import annotations
 
@@ -40,7 +41,17 @@ def sinkhorn_normalize(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> 
 
 
 def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    raise missing("modeling.mhc.ops.expand_to_mhc", FAMILY)
+    """hidden (..., hidden) bfloat16, contiguous -> (..., mhc_mult, hidden) bfloat16: each row copied to its
+    mhc_mult residual streams, bit-exact; written into `out` (that shape, contiguous) when given.
+    Differentiable: hidden's gradient is the streams' gradients summed in float32 in stream order from +0.0 and
+    rounded once to bfloat16, bit-identical to TileKernels' backward kernel."""
+    fn = "modeling.mhc.ops.expand_to_mhc"
+    mhc_mult = as_int(fn, "mhc_mult", mhc_mult)
+    ops.check_expand_to_mhc(f"tile_kernels.{fn}", hidden, mhc_mult, out)
+    h = hidden.shape[-1]
+    require_kernel(fn, FAMILY, "expand_to_mhc", {"mhc_mult": mhc_mult, "hidden": h},
+                   {"hidden": "hidden (hidden.shape[-1])"}, {"num_tokens": max(1, hidden.numel() // max(1, h))})
+    return ops.expand_to_mhc(hidden, mhc_mult, out)
 
 
 def mhc_head_compute_mix(
@@ -107,7 +118,19 @@ def mhc_post_fwd(
 
 
 def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    raise missing("modeling.mhc.ops.mhc_pre_apply_mix", FAMILY)
+    """x (..., mhc_mult, hidden) bfloat16 (contiguous), mix (..., mhc_mult, 1) float32 -> (..., hidden) bfloat16,
+    sum_m mix * x: float32 fused multiply-adds in stream order from +0.0, rounded once (bit-identical to
+    TileKernels' kernel); written into `out` when given. Differentiable, with TileKernels' backward: x's
+    gradient bf16(fma(mix, grad, base)) is added in place into mhc_post's residual gradient when x's storage
+    carries one (`x.untyped_storage().grad_from_mhc_post`; x then gets None), else into zeros; mix's gradient
+    <grad, x> is a float32 sum over hidden (its order, and so its last bits, are tkjit's own)."""
+    fn = "modeling.mhc.ops.mhc_pre_apply_mix"
+    ops.check_pre_apply_mix(f"tile_kernels.{fn}", x, mix, out)
+    m, h = x.shape[-2:]
+    require_kernel(fn, FAMILY, "pre_apply_mix", {"mhc_mult": m, "hidden": h},
+                   {"mhc_mult": "mhc_mult (x.shape[-2])", "hidden": "hidden (x.shape[-1])"},
+                   {"num_tokens": max(1, x.numel() // max(1, m * h))})
+    return ops.mhc_pre_apply_mix(x, mix, out)
 
 
 def mhc_pre_big_fuse(
