@@ -31,4 +31,6 @@ INDEX = {
     "fused_weight": "tkjit_kernels.engram.fused_weight",
     "cast_back": "tkjit_kernels.quant.cast_back",
     "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
+    "mhc_post_fwd": "tkjit_kernels.mhc.post",
+    "mhc_post_bwd": "tkjit_kernels.mhc.post_bwd",
 }
