@@ -101,7 +101,7 @@ class MhcPostFunction(torch.autograd.Function):
         with torch.no_grad():
             grads = torch_ops.mhc_post_bwd_impl(grad_out.contiguous(), *saved, ctx.bwd_config)
         if torch.is_grad_enabled():  # create_graph=True: the gradients' own backward must say why it fails
-            grads = _MhcPostOnce.apply(*grads)
+            grads = _MhcPostOnce.apply(*grads, *saved)
         return (*grads, None, None)
 
 
@@ -109,8 +109,9 @@ class _MhcPostOnce(torch.autograd.Function):
     """Identity on mhc_post's gradients, whose backward (a double backward) raises a clear error."""
 
     @staticmethod
-    def forward(ctx, *grads):
-        return tuple(g.view_as(g) for g in grads)
+    def forward(ctx, grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix, *inputs):
+        # inputs: the forward's, so that the views are in the graph when they require grad
+        return tuple(g.view_as(g) for g in (grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix))
 
     @staticmethod
     def backward(ctx, *_):

@@ -48,14 +48,14 @@ def default(shape):
     for b in (2, 4, 8, 16):
         if b * cpr <= 128 * UNROLL_STEPS and -(-tokens // b) >= 4 * NUM_SMS:
             bt = b
-    return {"block_tokens": bt, "vec": vec, "threads": 128}
+    return {"block_tokens": bt, "vec": vec, "threads": 128 if bt * cpr >= 64 else 64}
 
 
 def constraint(shape, c):
     problem = vec_constraint(shape, c)
     if problem:
         return problem
-    if c["block_tokens"] * shape["hidden"] // c["vec"] < c["threads"] // 2:
+    if c["threads"] > 64 and c["block_tokens"] * shape["hidden"] // c["vec"] < c["threads"] // 2:
         return "fewer chunks per block than half its threads: use fewer threads"
     return None
 
