@@ -51,6 +51,8 @@ SERVED = {
     "modeling.mhc": {"expand_from_embedding"},
     "engram": {"engram_hash", "fused_weight"},
 }
+# -- mhc_post --- (tests in test_spec_mhc_post.py)
+SERVED["modeling.mhc.ops"] = SERVED["modeling.mhc.ops"] | {"mhc_post", "mhc_post_fwd", "mhc_post_bwd"}
 FAMILY = {"engram": "engram", "modeling.engram": "engram", "modeling.mhc": "mhc", "modeling.mhc.ops": "mhc",
           "moe": "moe", "quant": "quant"}
 CUDA_ONLY = ("topk_gate", "per_token_cast", "per_token_cast_colmajor")

@@ -162,3 +162,89 @@ def residual_grad(x: torch.Tensor) -> torch.Tensor | None:
             f"{tuple(getattr(acc, 'shape', ()))}"
         )
     return acc.view(x.shape)
+
+
+# -- mhc_post ----------------------------------------------------------------------------------------
+# y = tkjit.autograd.mhc_post(x, residual, post_layer_mix, comb_res_mix); y.backward(g): the
+# mhc_post_fwd / mhc_post_bwd kernels, as sinkhorn above (custom op under torch.compile, this Function
+# in eager code). The backward needs the forward's four inputs (saved), not its output.
+
+_mhc_post_fwd = torch.ops.tkjit.mhc_post_fwd.default
+
+
+class MhcPostFunction(torch.autograd.Function):
+    """Eager mhc_post_fwd / mhc_post_bwd on the flattened tokens (see torch_ops' mhc_post block)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, post_layer_mix, comb_res_mix, fwd_config, bwd_config):
+        ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
+        ctx.bwd_config = bwd_config
+        return torch_ops.mhc_post_fwd_impl(x, residual, post_layer_mix, comb_res_mix, fwd_config)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        if grad_out.dtype != torch.bfloat16:
+            grad_out = grad_out.to(torch.bfloat16)
+        with torch.no_grad():
+            grads = torch_ops.mhc_post_bwd_impl(grad_out.contiguous(), *saved, ctx.bwd_config)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients' own backward must say why it fails
+            grads = _MhcPostOnce.apply(*grads, *saved)
+        return (*grads, None, None)
+
+
+class _MhcPostOnce(torch.autograd.Function):
+    """Identity on mhc_post's gradients, whose backward (a double backward) raises a clear error."""
+
+    @staticmethod
+    def forward(ctx, grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix, *inputs):
+        # inputs: the forward's, so that the views are in the graph when they require grad
+        return tuple(g.view_as(g) for g in (grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix))
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(torch_ops.MHC_POST_DIFFERENTIABLE_ONCE)
+
+
+def mhc_post_flat(
+    x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor,
+    fwd_config=None, bwd_config=None,
+) -> torch.Tensor:
+    """Differentiable mhc_post_fwd on the kernels' flattened (num_tokens, ...) tensors."""
+    args = (x, residual, post_layer_mix, comb_res_mix, encode_config(fwd_config), encode_config(bwd_config))
+    return MhcPostFunction.apply(*args) if all(plain(t) for t in args[:4]) else _mhc_post_fwd(*args)
+
+
+def mhc_post(
+    x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor, *,
+    fwd_config=None, bwd_config=None,
+) -> torch.Tensor:
+    """Differentiable mHC post mix (TileKernels' mhc_post): x (..., hidden) and residual (..., mhc, hidden)
+    bfloat16, post_layer_mix (..., mhc, 1) or (..., mhc) and comb_res_mix (..., mhc, mhc) float32 ->
+    out (..., mhc, hidden) bfloat16 = post_layer_mix * x + comb_res_mix^T @ residual."""
+    x, residual, post_layer_mix, comb_res_mix = mhc_post_args("mhc_post", x, residual, post_layer_mix, comb_res_mix)
+    m, h = residual.shape[-2:]
+    out = mhc_post_flat(x.reshape(-1, h), residual.reshape(-1, m, h), post_layer_mix.reshape(-1, m),
+                        comb_res_mix.reshape(-1, m, m), fwd_config, bwd_config)
+    return out.view(residual.shape)
+
+
+def mhc_post_args(op: str, x, residual, post_layer_mix, comb_res_mix):
+    """The four tensors, contiguous, or TensorError naming the one whose shape or dtype is off."""
+    if not isinstance(residual, torch.Tensor) or residual.dim() < 2:
+        got = getattr(residual, "shape", type(residual).__name__)
+        raise TensorError(f"{op}: residual must be a (..., mhc, hidden) tensor, got {got}")
+    lead, (m, h) = tuple(residual.shape[:-2]), residual.shape[-2:]
+    want = {"x": (lead + (h,),), "residual": (lead + (m, h),),
+            "post_layer_mix": (lead + (m, 1), lead + (m,)), "comb_res_mix": (lead + (m, m),)}
+    dtypes = {"x": torch.bfloat16, "residual": torch.bfloat16, "post_layer_mix": torch.float32,
+              "comb_res_mix": torch.float32}
+    tensors = {"x": x, "residual": residual, "post_layer_mix": post_layer_mix, "comb_res_mix": comb_res_mix}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) not in want[name]:
+            shapes = " or ".join(str(s) for s in want[name])
+            raise TensorError(f"{op}: {name} must have shape {shapes} (residual is {tuple(residual.shape)}), "
+                              f"got {getattr(t, 'shape', type(t).__name__)}")
+        if t.dtype != dtypes[name]:
+            raise TensorError(f"{op}: {name} must be {dtypes[name]}, got {t.dtype}")
+    return tuple(t.contiguous() for t in tensors.values())

@@ -513,3 +513,43 @@ def mhc_pre_apply_mix_bwd(grad_out: torch.Tensor, x: torch.Tensor, mix: torch.Te
     else:
         xg, mix_grad = torch.ops.tkjit.pre_apply_mix_bwd.default(g, xf, mf, cfg)
     return xg.view(x.shape), mix_grad.view(mix.shape)
+
+
+# -- mhc_post ----------------------------------------------------------------------------------------
+
+def mhc_post_fwd(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor,
+                 *, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """x (num_tokens, hidden) and residual (num_tokens, mhc, hidden) bf16, post_layer_mix (num_tokens, mhc)
+    and comb_res_mix (num_tokens, mhc, mhc) float32 -> out (num_tokens, mhc, hidden) bf16 =
+    post_layer_mix * x + comb_res_mix^T @ residual per token. Differentiable (the gradient runs
+    mhc_post_bwd), except with out= (written in place, like torch's out= ops: no autograd)."""
+    from tkjit.autograd import mhc_post_flat
+    from tkjit.errors import TensorError
+
+    tensors = (x, residual, post_layer_mix, comb_res_mix)
+    if out is not None:
+        if _grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            raise TensorError("mhc_post_fwd: out= is not differentiable (an input requires grad); call it without out")
+        return torch_ops.mhc_post_fwd_into(*tensors, encode_config(config), out=out)
+    if _eager(*tensors):
+        return torch_ops.mhc_post_fwd_impl(*tensors, encode_config(config))
+    return mhc_post_flat(*tensors, config)
+
+
+def mhc_post_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor,
+                 comb_res_mix: torch.Tensor, *, config=None) -> tuple[torch.Tensor, ...]:
+    """mhc_post_fwd's gradients given grad_out = dL/d out (num_tokens, mhc, hidden) bf16: (grad_x,
+    grad_residual) bf16, (grad_post_layer_mix, grad_comb_res_mix) float32, shaped as their inputs."""
+    tensors = (grad_out, x, residual, post_layer_mix, comb_res_mix)
+    if _eager(*tensors):
+        return torch_ops.mhc_post_bwd_impl(*tensors, encode_config(config))
+    return torch.ops.tkjit.mhc_post_bwd.default(*tensors, encode_config(config))
+
+
+def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor,
+             comb_res_mix: torch.Tensor) -> torch.Tensor:
+    """Differentiable mHC post mix over any leading dims (TileKernels' mhc_post): x (..., hidden),
+    residual (..., mhc, hidden) bf16, post_layer_mix (..., mhc, 1) and comb_res_mix (..., mhc, mhc) float32."""
+    from tkjit.autograd import mhc_post as _mhc_post
+
+    return _mhc_post(x, residual, post_layer_mix, comb_res_mix)

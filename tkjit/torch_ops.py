@@ -1279,3 +1279,104 @@ expand_to_mhc_bwd.register_autograd(_no_double_backward_of("expand_to_mhc"),
                                     setup_context=lambda ctx, inputs, output: None)
 pre_apply_mix_bwd.register_autograd(_no_double_backward_of("mhc_pre_apply_mix"),
                                     setup_context=lambda ctx, inputs, output: None)
+
+
+# -- mhc_post ----------------------------------------------------------------------------------------
+# torch.ops.tkjit.mhc_post_fwd(x, residual, post_layer_mix, comb_res_mix, config=None,
+#                              bwd_config=None)  # differentiable
+# torch.ops.tkjit.mhc_post_bwd(grad_out, x, residual, post_layer_mix, comb_res_mix, config=None)
+#     -> (grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix)
+# on the flattened tokens: x (num_tokens, hidden), residual and out (num_tokens, mhc, hidden) bfloat16,
+# post_layer_mix (num_tokens, mhc) and comb_res_mix (num_tokens, mhc, mhc) float32.
+
+def _mhc_post_static(name, x, residual) -> dict:
+    _need(x, (2,), f"{name}: x")
+    _need(residual, (3,), f"{name}: residual")
+    return {"mhc": int(residual.shape[1]), "hidden": int(residual.shape[2])}
+
+
+def mhc_post_fwd_into(x, residual, post_layer_mix, comb_res_mix, config=None, out=None):
+    """mhc_post_fwd's kernel call, into `out` (num_tokens, mhc, hidden) bfloat16 when given."""
+    shape = {"num_tokens": max(1, x.shape[0]), **_mhc_post_static("mhc_post_fwd", x, residual)}
+    k = get("mhc_post_fwd", shape, arch=arch_of(x), config=_config(config))
+    return k(x, residual, post_layer_mix, comb_res_mix, out=out)
+
+
+def mhc_post_fwd_impl(x, residual, post_layer_mix, comb_res_mix, config=None, bwd_config=None):
+    """out = post_layer_mix * x + comb_res_mix^T @ residual per token (TileKernels' mhc_post_fwd), bf16;
+    its gradient runs mhc_post_bwd (config bwd_config)."""
+    return mhc_post_fwd_into(x, residual, post_layer_mix, comb_res_mix, config)
+
+
+mhc_post_fwd = torch.library.custom_op(
+    "tkjit::mhc_post_fwd", mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor post_layer_mix, Tensor comb_res_mix, str? config=None, "
+           "str? bwd_config=None) -> Tensor",
+)(mhc_post_fwd_impl)
+
+
+def _fake_mhc_post(name, x, residual, post_layer_mix, comb_res_mix, *extra):
+    static = _mhc_post_static(name, x, residual)
+    _need(post_layer_mix, (2,), f"{name}: post_layer_mix")
+    _need(comb_res_mix, (3,), f"{name}: comb_res_mix")
+    tensors = (*extra, x, residual, post_layer_mix, comb_res_mix)
+    _fake_check(name, static, *tensors)
+    for t in tensors[1:]:
+        torch._check(t.shape[0] == x.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
+
+
+@mhc_post_fwd.register_fake
+def _(x, residual, post_layer_mix, comb_res_mix, config=None, bwd_config=None):
+    _fake_mhc_post("mhc_post_fwd", x, residual, post_layer_mix, comb_res_mix)
+    return residual.new_empty(residual.shape)
+
+
+def mhc_post_bwd_impl(grad_out, x, residual, post_layer_mix, comb_res_mix, config=None):
+    """(grad_x, grad_residual) bf16 and (grad_post_layer_mix, grad_comb_res_mix) float32 of mhc_post_fwd
+    given grad_out = dL/d out (num_tokens, mhc, hidden) bf16."""
+    shape = {"num_tokens": max(1, x.shape[0]), **_mhc_post_static("mhc_post_bwd", x, residual)}
+    k = get("mhc_post_bwd", shape, arch=arch_of(x), config=_config(config))
+    return k(grad_out, x, residual, post_layer_mix, comb_res_mix)
+
+
+mhc_post_bwd = torch.library.custom_op(
+    "tkjit::mhc_post_bwd", mutates_args=(),
+    schema="(Tensor grad_out, Tensor x, Tensor residual, Tensor post_layer_mix, Tensor comb_res_mix, "
+           "str? config=None) -> (Tensor, Tensor, Tensor, Tensor)",
+)(mhc_post_bwd_impl)
+
+
+@mhc_post_bwd.register_fake
+def _(grad_out, x, residual, post_layer_mix, comb_res_mix, config=None):
+    _need(grad_out, (3,), "mhc_post_bwd: grad_out")
+    _fake_mhc_post("mhc_post_bwd", x, residual, post_layer_mix, comb_res_mix, grad_out)
+    return (x.new_empty(x.shape), residual.new_empty(residual.shape), post_layer_mix.new_empty(post_layer_mix.shape),
+            comb_res_mix.new_empty(comb_res_mix.shape))
+
+
+def _mhc_post_setup_context(ctx, inputs, output):
+    x, residual, post_layer_mix, comb_res_mix, _, bwd_config = inputs
+    ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
+    ctx.bwd_config = bwd_config
+
+
+def _mhc_post_backward(ctx, grad_out):
+    saved = ctx.saved_tensors
+    if grad_out.dtype != torch.bfloat16:
+        grad_out = grad_out.to(torch.bfloat16)
+    grads = torch.ops.tkjit.mhc_post_bwd.default(grad_out.contiguous(), *saved, ctx.bwd_config)
+    return (*grads, None, None)
+
+
+MHC_POST_DIFFERENTIABLE_ONCE = (
+    "tkjit: mhc_post is differentiable once: mhc_post_bwd has no gradient (double backward, e.g. "
+    "create_graph=True followed by a backward through the gradients, is not supported)"
+)
+
+
+def _mhc_post_no_double_backward(ctx, *grads):
+    raise RuntimeError(MHC_POST_DIFFERENTIABLE_ONCE)
+
+
+mhc_post_fwd.register_autograd(_mhc_post_backward, setup_context=_mhc_post_setup_context)
+mhc_post_bwd.register_autograd(_mhc_post_no_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -719,6 +719,17 @@ def _pre_apply_mix_bwd_torch(shape):
     return f
 
 
+# -- mhc_post ----------------------------------------------------------------------------------------
+
+def _mhc_post_fwd_torch(shape):
+    # TileKernels' mhc_post_ref on the flattened tokens: float32 einsum, rounded to bf16.
+    def f(x, residual, post_layer_mix, comb_res_mix):
+        term2 = torch.einsum("tmn,tmc->tnc", comb_res_mix, residual.float())
+        return (x.float().unsqueeze(-2) * post_layer_mix.unsqueeze(-1) + term2).bfloat16()
+
+    return f
+
+
 def _expand_mhc_tk(bwd):
     def factory(shape, inputs):
         if _tile_kernels() is None:
@@ -772,3 +783,46 @@ _MHC_SHAPES = [{"num_tokens": 4096, "mhc_mult": 4, "hidden": 7168}, {"num_tokens
                {"num_tokens": 8192, "mhc_mult": 4, "hidden": 2560}, {"num_tokens": 2048, "mhc_mult": 4, "hidden": 1280}]
 SHAPES.update({name: list(_MHC_SHAPES) for name in ("expand_to_mhc", "expand_to_mhc_bwd", "pre_apply_mix",
                                                     "pre_apply_mix_bwd", "pre_apply_mix_bwd_acc")})
+
+
+def _mhc_post_fwd_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.mhc.post_kernel import _mhc_post_fwd
+
+    x, residual, post_layer_mix, comb_res_mix = inputs
+    kernel = _mhc_post_fwd(shape["mhc"], shape["hidden"])  # its shipped block: 128 threads, 1024 channels
+    out = torch.empty_like(residual)
+    return lambda: kernel(comb_res_mix, residual, post_layer_mix, x, out)
+
+
+def _mhc_post_bwd_torch(shape):
+    def f(grad_out, x, residual, post_layer_mix, comb_res_mix):
+        g = grad_out.float()
+        return (torch.einsum("tn,tnh->th", post_layer_mix, g).bfloat16(),
+                torch.einsum("tmn,tnh->tmh", comb_res_mix, g).bfloat16(),
+                torch.einsum("th,tnh->tn", x.float(), g), torch.einsum("tmh,tnh->tmn", residual.float(), g))
+
+    return f
+
+
+def _mhc_post_bwd_tk(shape, inputs):
+    if _tile_kernels() is None or shape["mhc"] != 4:
+        return None  # TileKernels' backward kernel takes mhc 4 only
+    from tile_kernels.mhc.post_kernel import _mhc_post_bwd
+
+    grad_out, x, residual, post_layer_mix, comb_res_mix = inputs
+    kernel = _mhc_post_bwd(shape["mhc"], shape["hidden"])  # allocates its four outputs per call
+    return lambda: kernel(grad_out, comb_res_mix, residual, post_layer_mix, x)
+
+
+TORCH.update({"mhc_post_fwd": _mhc_post_fwd_torch, "mhc_post_bwd": _mhc_post_bwd_torch})
+TILE_KERNELS.update({"mhc_post_fwd": _mhc_post_fwd_tk, "mhc_post_bwd": _mhc_post_bwd_tk})
+# TileKernels' test shapes: n0 * n1 = 4096 / 8192 tokens, mhc 4, hidden 1280 / 2560 / 7168; and mhc 8.
+SHAPES.update({
+    "mhc_post_fwd": [{"num_tokens": t, "mhc": 4, "hidden": h} for t, h in ((4096, 7168), (8192, 7168),
+                                                                           (8192, 2560), (8192, 1280))]
+    + [{"num_tokens": 4096, "mhc": 8, "hidden": 4096}],
+    "mhc_post_bwd": [{"num_tokens": t, "mhc": 4, "hidden": h} for t, h in ((4096, 7168), (8192, 7168),
+                                                                           (8192, 2560), (8192, 1280))],
+})

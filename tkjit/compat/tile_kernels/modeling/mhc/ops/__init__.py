@@ -1,13 +1,15 @@
 """TileKernels' `modeling.mhc.ops`: the mHC ops. tkjit serves `sinkhorn_normalize` (its sinkhorn_fwd /
-sinkhorn_bwd kernels), `expand_to_mhc` (expand_to_mhc / expand_to_mhc_bwd) and `mhc_pre_apply_mix`
-(pre_apply_mix / pre_apply_mix_bwd[_acc]); the others raise NotImplementedError naming them."""
+sinkhorn_bwd kernels), `expand_to_mhc` (expand_to_mhc / expand_to_mhc_bwd), `mhc_pre_apply_mix`
+(pre_apply_mix / pre_apply_mix_bwd[_acc]) and `mhc_post`, `mhc_post_fwd`, `mhc_post_bwd` (its mhc_post_fwd /
+mhc_post_bwd kernels); the others raise NotImplementedError naming them."""
 
 from __future__ import annotations
 
 import torch
 
 from tkjit import ops
-from tkjit.compat.tile_kernels._support import as_float, as_int, missing, require_kernel
+from tkjit.autograd import plain
+from tkjit.compat.tile_kernels._support import as_float, as_int, missing, require_kernel, rows_aligned, tensor
 from tkjit.errors import TensorError
 
 FAMILY = "mhc"
@@ -86,6 +88,44 @@ def mhc_pre_norm_fn(
     raise missing("modeling.mhc.ops.mhc_pre_norm_fn", FAMILY)
 
 
+def _post_args(fn: str, x, residual, post_layer_mix, comb_res_mix) -> tuple[int, int, int, int]:
+    """TileKernels' asserts on mhc_post's inputs, as TensorError naming the argument; (n0, n1, mhc, hidden)."""
+    tensor(fn, "residual", residual, (4,), (torch.bfloat16,))
+    n0, n1, m, h = residual.shape
+    want = {"x": ((n0, n1, h), torch.bfloat16), "post_layer_mix": ((n0, n1, m, 1), torch.float32),
+            "comb_res_mix": ((n0, n1, m, m), torch.float32)}
+    for name, t in (("x", x), ("post_layer_mix", post_layer_mix), ("comb_res_mix", comb_res_mix)):
+        shape, dtype = want[name]
+        tensor(fn, name, t, (len(shape),), (dtype,))
+        if tuple(t.shape) != shape:
+            raise TensorError(f"tile_kernels.{fn}: {name} must have shape {shape} (residual is "
+                              f"{tuple(residual.shape)}), got {tuple(t.shape)}")
+        if t.device != residual.device:
+            raise TensorError(f"tile_kernels.{fn}: {name} is on {t.device}, residual on {residual.device}")
+    require_kernel(fn, FAMILY, "mhc_post_fwd", {"mhc": m, "hidden": h},
+                   {"mhc": "mhc (residual.shape[2])", "hidden": "hidden (residual.shape[3])"},
+                   {"num_tokens": max(1, n0 * n1)})
+    return n0, n1, m, h
+
+
+def _flat(t: torch.Tensor, *shape: int) -> torch.Tensor:
+    return rows_aligned(t.reshape(shape).contiguous())
+
+
+class _MHCPost(torch.autograd.Function):
+    """TileKernels' MHCPost: mhc_post_fwd, and mhc_post_bwd (fuse_grad_acc=True) as its backward."""
+
+    @staticmethod
+    def forward(ctx, x, residual, post_layer_mix, comb_res_mix, out):
+        out = mhc_post_fwd(x, residual, post_layer_mix, comb_res_mix, out)
+        ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_o):
+        return (*mhc_post_bwd(*ctx.saved_tensors, d_o.to(torch.bfloat16)), None)
+
+
 def mhc_post(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -93,7 +133,24 @@ def mhc_post(
     comb_res_mix: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    raise missing("modeling.mhc.ops.mhc_post", FAMILY)
+    """Differentiable mHC post mix: out (n0, n1, mhc, hidden) bf16 = post_layer_mix * x + comb_res_mix^T @
+    residual per token, from x (n0, n1, hidden) and residual (n0, n1, mhc, hidden) bf16, post_layer_mix
+    (n0, n1, mhc, 1) and comb_res_mix (n0, n1, mhc, mhc) float32 (written into out when given).
+
+    Its backward is mhc_post_bwd with fuse_grad_acc=True, as TileKernels': grad_residual is also left on
+    residual's storage (`grad_from_mhc_post`) for the mHC ops before it to accumulate into. Under
+    torch.compile (or for FakeTensor inputs) it is tkjit's custom op instead (`tkjit.ops.mhc_post`), which
+    returns the same gradients without that attribute, and out= is refused there. Not bit-identical to
+    TileKernels' kernels in the float32 gradients (another summation order over hidden).
+    """
+    fn = "modeling.mhc.ops.mhc_post"
+    _post_args(fn, x, residual, post_layer_mix, comb_res_mix)
+    tensors = (x, residual, post_layer_mix, comb_res_mix)
+    if all(plain(t) for t in tensors) and (out is None or plain(out)):
+        return _MHCPost.apply(*tensors, out)
+    if out is not None:
+        raise missing(fn, FAMILY, "out= under torch.compile or with FakeTensor / subclass tensors")
+    return ops.mhc_post(*tensors)
 
 
 def mhc_post_bwd(
@@ -104,7 +161,23 @@ def mhc_post_bwd(
     d_o: torch.Tensor,
     fuse_grad_acc: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    raise missing("modeling.mhc.ops.mhc_post_bwd", FAMILY)
+    """mhc_post's gradients given d_o = dL/d out (n0, n1, mhc, hidden) bf16: (d_x, d_residual) bf16 and
+    (d_post_layer_mix, d_comb_res_mix) float32, each shaped as its input. fuse_grad_acc: d_residual is also
+    set as `residual.untyped_storage().grad_from_mhc_post` (TileKernels' hand-off to the mHC ops that
+    accumulate their residual gradients into it)."""
+    fn = "modeling.mhc.ops.mhc_post_bwd"
+    n0, n1, m, h = _post_args(fn, x, residual, post_layer_mix, comb_res_mix)
+    tensor(fn, "d_o", d_o, (4,), (torch.bfloat16,))
+    if tuple(d_o.shape) != (n0, n1, m, h):
+        raise TensorError(f"tile_kernels.{fn}: d_o must have residual's shape {(n0, n1, m, h)}, got {tuple(d_o.shape)}")
+    n = n0 * n1
+    with torch.no_grad():
+        d_x, d_residual, d_post, d_comb = ops.mhc_post_bwd(
+            _flat(d_o, n, m, h), _flat(x, n, h), _flat(residual, n, m, h), _flat(post_layer_mix, n, m),
+            _flat(comb_res_mix, n, m, m))
+    if fuse_grad_acc:
+        residual.untyped_storage().grad_from_mhc_post = d_residual
+    return d_x.view_as(x), d_residual.view_as(residual), d_post.view_as(post_layer_mix), d_comb.view_as(comb_res_mix)
 
 
 def mhc_post_fwd(
@@ -114,7 +187,23 @@ def mhc_post_fwd(
     comb_res_mix: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    raise missing("modeling.mhc.ops.mhc_post_fwd", FAMILY)
+    """mhc_post's forward alone (no autograd): out (n0, n1, mhc, hidden) bf16, a new tensor or `out`
+    (bf16, residual's shape, contiguous). The float32 sums run in TileKernels' order (post term first, then
+    one fused multiply-add per stream), rounded once to bf16."""
+    fn = "modeling.mhc.ops.mhc_post_fwd"
+    n0, n1, m, h = _post_args(fn, x, residual, post_layer_mix, comb_res_mix)
+    if out is None:
+        out = torch.empty((n0, n1, m, h), dtype=torch.bfloat16, device=residual.device)
+    else:
+        tensor(fn, "out", out, (4,), (torch.bfloat16,))
+        if tuple(out.shape) != (n0, n1, m, h) or not out.is_contiguous():
+            raise TensorError(f"tile_kernels.{fn}: out must be a contiguous {(n0, n1, m, h)} tensor, got shape "
+                              f"{tuple(out.shape)} strides {out.stride()}")
+    n = n0 * n1
+    with torch.no_grad():
+        ops.mhc_post_fwd(_flat(x, n, h), _flat(residual, n, m, h), _flat(post_layer_mix, n, m),
+                         _flat(comb_res_mix, n, m, m), out=out.view(n, m, h))
+    return out
 
 
 def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
