@@ -43,7 +43,7 @@ def test_registered_and_valid():
         assert s.default_config(full, "sm_90a") in s.configs(full, "sm_90a")
         assert s.default_config(full, "cpu") in s.configs(full, "cpu")
     assert s.default_config(s.canonical_shape({"num_tokens": 8192, "num_topk": 8, "dtype": "int64"})) == {
-        "block_elems": 1024, "threads": 128, "vec": 2}
+        "block_elems": 256, "threads": 128, "vec": 2}
     for k in range(1, 65):
         for dt in ("int32", "int64"):
             f = s.canonical_shape({"num_tokens": 7, "num_topk": k, "dtype": dt})
