@@ -31,4 +31,8 @@ INDEX = {
     "fused_weight": "tkjit_kernels.engram.fused_weight",
     "cast_back": "tkjit_kernels.quant.cast_back",
     "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
+    "per_token_cast_e5m6": "tkjit_kernels.quant.per_token_cast_e5m6",
+    "per_token_cast_e5m6_colmajor": "tkjit_kernels.quant.per_token_cast_e5m6",
+    "cast_back_e5m6": "tkjit_kernels.quant.cast_back_e5m6",
+    "cast_back_e5m6_colmajor": "tkjit_kernels.quant.cast_back_e5m6",
 }
