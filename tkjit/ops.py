@@ -384,8 +384,10 @@ def _e5m6_words(x: torch.Tensor) -> torch.Tensor:
     if x.shape[1] % 12:
         raise TensorError(f"cast_back_e5m6: x has {x.shape[1]} bytes per row, not 12 per 8 e5m6 values "
                           f"(hidden * 3 / 2 with hidden a multiple of 8)")
-    if x.stride(1) != 1 or x.stride(0) % 4 or x.storage_offset() % 4:
+    if _is_compiling():  # (dynamo does not trace storage_offset: a traced call views contiguous rows as they are)
         x = x.contiguous()
+    elif x.stride(1) != 1 or x.stride(0) % 4 or x.storage_offset() % 4:
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation: offset 0, rows of 4-byte words
     return x.view(torch.int32)
 
 

@@ -61,11 +61,11 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack(words: torch.Tensor) -> torch.Tensor:
     """(n, h * 3 / 8) int32 words -> (n, h) int64 12-bit codes."""
-    n = words.shape[0]
-    w = (words.to(torch.int64) & 0xFFFFFFFF).view(n, -1, 3).unbind(-1)
+    n, width = words.shape
+    w = (words.to(torch.int64) & 0xFFFFFFFF).view(n, width // 3, 3).unbind(-1)
     c = ((w[0] >> 20), (w[0] >> 8), (w[0] << 4) | (w[1] >> 28), (w[1] >> 16), (w[1] >> 4), (w[1] << 8) | (w[2] >> 24),
          (w[2] >> 12), w[2])
-    return (torch.stack(c, -1) & 0xFFF).view(n, -1)
+    return (torch.stack(c, -1) & 0xFFF).view(n, width // 3 * 8)
 
 
 def decode(codes: torch.Tensor) -> torch.Tensor:
