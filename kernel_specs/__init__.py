@@ -40,4 +40,8 @@ INDEX = {
     "per_channel_cast_and_transpose": "tkjit_kernels.quant.per_channel_cast_and_transpose",
     "mhc_post_fwd": "tkjit_kernels.mhc.post",
     "mhc_post_bwd": "tkjit_kernels.mhc.post_bwd",
+    "per_token_cast_e5m6": "tkjit_kernels.quant.per_token_cast_e5m6",
+    "per_token_cast_e5m6_colmajor": "tkjit_kernels.quant.per_token_cast_e5m6",
+    "cast_back_e5m6": "tkjit_kernels.quant.cast_back_e5m6",
+    "cast_back_e5m6_colmajor": "tkjit_kernels.quant.cast_back_e5m6",
 }

@@ -271,7 +271,6 @@ def _cast(x=None, *a, **kw):
 
 @pytest.mark.parametrize("call, option", [
     (lambda: _cast(None, "e2m1", 32), "fmt='e2m1'"),
-    (lambda: _cast(None, "e5m6", 32), "fmt='e5m6'"),
     (lambda: _cast(None, "e4m3", 32, (1, 128)), "x_block_size=(1, 128)"),
     (lambda: _cast((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)), "e4m3", 32, (1, 128)),
      "x_block_size=(1, 128)"),
@@ -304,6 +303,7 @@ def test_unsupported_options_raise_not_implemented_naming_the_option(call, optio
     (lambda: _cast(torch.zeros(2, 4, 256), "e4m3", 32), tkjit.TensorError, "x must be 2-D"),
     (lambda: tk.quant.per_token_cast_with_sf_only(torch.zeros(4, 256), "e5m6", 32), tkjit.ShapeError,
      "no scales-only form"),
+    (lambda: _cast(None, "e5m6", 32), tkjit.ShapeError, r"num_per_channels == hidden \(256\)"),
     (lambda: tk.moe.topk_gate(torch.zeros(4, 8), 9), tkjit.ShapeError, r"num_topk \(9\) must be in \[1, "),
     (lambda: tk.moe.topk_gate(torch.zeros(4, 8), 0), tkjit.ShapeError, "num_topk"),
     (lambda: tk.moe.topk_gate(torch.zeros(4, 8, dtype=torch.float16), 2), tkjit.TensorError, "float32"),

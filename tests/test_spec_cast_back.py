@@ -340,8 +340,6 @@ def test_compat_round_trip(reference_kernels, n, col_major, packed, fmt):
 
 
 @pytest.mark.parametrize("call, option", [
-    (lambda: tk.quant.cast_back((torch.zeros(4, 256, dtype=torch.uint8), torch.ones(4, 2)), "bf16", (1, 128), "e5m6"),
-     "x_special_fmt='e5m6'"),
     (lambda: tk.quant.per_token_cast_back((torch.zeros(4, 256, dtype=torch.uint8), torch.ones(4, 2)), "bf16", 128),
      "x[0].dtype=torch.uint8"),
     (lambda: tk.quant.cast_back((torch.zeros(4, 192, dtype=torch.float8_e4m3fn), torch.ones(4, 16)), "bf16", (1, 12)),

@@ -553,3 +553,74 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tens
     from tkjit.autograd import mhc_post as _mhc_post
 
     return _mhc_post(x, residual, post_layer_mix, comb_res_mix)
+
+
+# -- per_token_cast_e5m6 / cast_back_e5m6 ------------------------------------------------------------
+
+def per_token_cast_e5m6(x: torch.Tensor, *, round_scale: bool = False, col_major_scales: bool = False,
+                        packed_ue8m0: bool = False, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, hidden) bf16/f32, hidden a multiple of 8 -> (e5m6 values, float32 scales), one scale per
+    token (amax / 65024), TileKernels' `per_token_cast(x, 'e5m6', hidden)`: the values as uint8
+    (num_tokens, hidden * 3 / 2), eight 12-bit values per 12 bytes; the scales (num_tokens, 1), or with
+    col_major_scales the view storage[:, :num_tokens].T of a (1, align(num_tokens, 4)) buffer (padding 0), and
+    with packed_ue8m0 as well its exponent as int32 (`tkjit.scales.pack_ue8m0`); exact scales need round_scale.
+    """
+    if packed_ue8m0 and not col_major_scales:
+        raise ShapeError("per_token_cast_e5m6: packed_ue8m0 needs col_major_scales=True (the packed layout is "
+                         "column-major)")
+    cfg = encode_config(config)
+    eager = _eager(x)
+    if not col_major_scales:
+        op = torch_ops.per_token_cast_e5m6_impl if eager else torch.ops.tkjit.per_token_cast_e5m6.default
+        words, sf = op(x, round_scale, cfg)
+        return words.view(torch.uint8), sf
+    op = torch_ops.per_token_cast_e5m6_colmajor_impl if eager else torch.ops.tkjit.per_token_cast_e5m6_colmajor.default
+    words, storage = op(x, round_scale, cfg)
+    if packed_ue8m0:
+        storage = pack_ue8m0(storage)
+    return words.view(torch.uint8), storage[:, : x.shape[0]].T
+
+
+def _e5m6_words(x: torch.Tensor) -> torch.Tensor:
+    """Packed e5m6 values as the kernels read them: uint8 (n, hidden * 3 / 2) viewed as int32 words (a copy
+    first where the rows cannot be viewed so: not 4-byte aligned); int32 words as they are."""
+    from tkjit.errors import TensorError
+
+    torch_ops._need(x, (2,), "cast_back_e5m6")
+    if x.dtype != torch.uint8:
+        return x
+    if x.shape[1] % 12:
+        raise TensorError(f"cast_back_e5m6: x has {x.shape[1]} bytes per row, not 12 per 8 e5m6 values "
+                          f"(hidden * 3 / 2 with hidden a multiple of 8)")
+    if _is_compiling():  # (dynamo does not trace storage_offset: a traced call views contiguous rows as they are)
+        x = x.contiguous()
+    elif x.stride(1) != 1 or x.stride(0) % 4 or x.storage_offset() % 4:
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation: offset 0, rows of 4-byte words
+    return x.view(torch.int32)
+
+
+def cast_back_e5m6(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[int, int] | None = None, *,
+                   out_dtype: torch.dtype = torch.bfloat16, config=None) -> torch.Tensor:
+    """Dequantise packed e5m6 values: x uint8 (num_tokens, hidden * 3 / 2) as per_token_cast_e5m6 returns
+    them (or their int32 words, (num_tokens, hidden * 3 / 8)), times their scales -> (num_tokens, hidden)
+    out_dtype (bfloat16 or float32), bit-exact (TileKernels' `cast_back(..., x_special_fmt='e5m6')`).
+    block_size = (block_tokens, block_channels), default (1, hidden): one scale per token. sf's forms and layout
+    are cast_back's, read off its strides (stride(0) == 1: column-major, float32 or packed UE8M0 int32)."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ShapeError(f"cast_back_e5m6: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    words = _e5m6_words(x)
+    if block_size is None:
+        block_size = (1, words.shape[1] // 3 * 8)
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise ShapeError(f"cast_back_e5m6: block_size must be (block_tokens, block_channels), got {block_size!r}")
+    torch_ops._need(sf, (2,), "cast_back_e5m6")
+    bt, bc = block_size
+    od = "bfloat16" if out_dtype == torch.bfloat16 else "float32"
+    cfg = encode_config(config)
+    if sf.stride(0) == 1:  # column-major: the kernel reads the storage view, whose rows are sf's columns
+        if _eager(words, sf):
+            return torch_ops.cast_back_e5m6_colmajor_impl(words, sf.T, bt, bc, od, cfg)
+        return torch.ops.tkjit.cast_back_e5m6_colmajor.default(words, sf.T, bt, bc, od, cfg)
+    if _eager(words, sf):
+        return torch_ops.cast_back_e5m6_impl(words, sf, bt, bc, od, cfg)
+    return torch.ops.tkjit.cast_back_e5m6.default(words, sf, bt, bc, od, cfg)

@@ -1380,3 +1380,121 @@ def _mhc_post_no_double_backward(ctx, *grads):
 
 mhc_post_fwd.register_autograd(_mhc_post_backward, setup_context=_mhc_post_setup_context)
 mhc_post_bwd.register_autograd(_mhc_post_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# -- per_token_cast_e5m6 / cast_back_e5m6 ------------------------------------------------------------
+
+_E5M6_CAST_SCHEMA = "(Tensor x, bool round_scale=False, str? config=None) -> (Tensor, Tensor)"
+
+
+def _e5m6_static(name, x, round_scale) -> dict:
+    _need(x, (2,), name)
+    return {"hidden": int(x.shape[1]), "in_dtype": dtype_name(x.dtype), "round_scale": round_scale}
+
+
+def _e5m6_cast(name, x, round_scale, config):
+    shape = {"num_tokens": max(1, x.shape[0]), **_e5m6_static(name, x, round_scale)}
+    return get(name, shape, arch=arch_of(x), config=_config(config))(x)
+
+
+def _fake_e5m6_cast(name, x, round_scale):
+    """The fake words (num_tokens, hidden * 3 / 8) int32."""
+    static = _e5m6_static(name, x, round_scale)
+    _fake_check(name, static, x)
+    return x.new_empty((x.shape[0], static["hidden"] * 3 // 8), dtype=torch.int32)
+
+
+def per_token_cast_e5m6_impl(x, round_scale=False, config=None):
+    """(num_tokens, hidden) bf16/f32 -> (e5m6 values as int32 words (num_tokens, hidden * 3 / 8), float32 scales
+    (num_tokens, 1)): one scale per token, eight 12-bit values per three words."""
+    return _e5m6_cast("per_token_cast_e5m6", x, round_scale, config)
+
+
+per_token_cast_e5m6 = torch.library.custom_op(
+    "tkjit::per_token_cast_e5m6", mutates_args=(), schema=_E5M6_CAST_SCHEMA
+)(per_token_cast_e5m6_impl)
+
+
+@per_token_cast_e5m6.register_fake
+def _(x, round_scale=False, config=None):
+    return _fake_e5m6_cast("per_token_cast_e5m6", x, round_scale), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+def per_token_cast_e5m6_colmajor_impl(x, round_scale=False, config=None):
+    """per_token_cast_e5m6 with the scales' TMA-aligned column-major storage (1, align(num_tokens, 4))."""
+    return _e5m6_cast("per_token_cast_e5m6_colmajor", x, round_scale, config)
+
+
+per_token_cast_e5m6_colmajor = torch.library.custom_op(
+    "tkjit::per_token_cast_e5m6_colmajor", mutates_args=(), schema=_E5M6_CAST_SCHEMA
+)(per_token_cast_e5m6_colmajor_impl)
+
+
+@per_token_cast_e5m6_colmajor.register_fake
+def _(x, round_scale=False, config=None):
+    words = _fake_e5m6_cast("per_token_cast_e5m6_colmajor", x, round_scale)
+    return words, x.new_empty((1, (x.shape[0] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+
+
+def _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype) -> dict:
+    """cast_back_e5m6's static shape: hidden is 8 / 3 of x's int32 words per row; or TensorError naming x / sf."""
+    _need(x, (2,), name)
+    _need(sf, (2,), name)
+    if x.dtype != torch.int32 or int(x.shape[1]) % 3:
+        raise TensorError(f"{name}: x must be int32 words of packed e5m6 values, three per eight values "
+                          f"(num_tokens, hidden * 3 / 8); got {x.dtype} {tuple(x.shape)}")
+    if sf.dtype not in (torch.float32, torch.int32):
+        raise TensorError(f"{name}: sf must be float32, or int32 packed UE8M0 exponents; got {sf.dtype}")
+    return {"hidden": int(x.shape[1]) // 3 * 8, "block_tokens": block_tokens, "block_channels": block_channels,
+            "out_dtype": out_dtype, "sf_dtype": dtype_name(sf.dtype)}
+
+
+def _cast_back_e5m6(name, x, sf, block_tokens, block_channels, out_dtype, config):
+    static = _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype)
+    n, rows = x.shape[0], sf.shape[1 if name == "cast_back_e5m6_colmajor" else 0]
+    if type(block_tokens) is int and block_tokens >= 1 and rows != -(-n // block_tokens):
+        raise TensorError(f"{name}: sf has {rows} token rows, expected ceil(num_tokens / block_tokens) = "
+                          f"ceil({n} / {block_tokens}) = {-(-n // block_tokens)} (sf shape {tuple(sf.shape)})")
+    shape = {"num_tokens": max(1, n), "num_sf_rows": max(1, rows), **static}
+    return get(name, shape, arch=arch_of(x), config=_config(config))(x, sf)
+
+
+def _fake_cast_back_e5m6(name, x, sf, block_tokens, block_channels, out_dtype):
+    static = _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype)
+    _fake_check(name, static, x, sf)
+    rows = sf.shape[1 if name == "cast_back_e5m6_colmajor" else 0]
+    torch._check(rows == (x.shape[0] + block_tokens - 1) // block_tokens,
+                 lambda: f"{name}: sf's token rows must be ceil(num_tokens / block_tokens)")
+    return x.new_empty((x.shape[0], static["hidden"]), dtype=torch_dtype(out_dtype))
+
+
+def cast_back_e5m6_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    """Packed e5m6 values as int32 words (num_tokens, hidden * 3 / 8) and float32 scales
+    (ceil(num_tokens / block_tokens), ceil(hidden / block_channels)), row-major (rows at any stride)
+    -> (num_tokens, hidden) bfloat16 / float32: values * scales, bit-exact."""
+    return _cast_back_e5m6("cast_back_e5m6", x, sf, block_tokens, block_channels, out_dtype, config)
+
+
+cast_back_e5m6 = torch.library.custom_op(
+    "tkjit::cast_back_e5m6", mutates_args=(), schema=_CAST_BACK_SCHEMA
+)(cast_back_e5m6_impl)
+
+
+@cast_back_e5m6.register_fake
+def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    return _fake_cast_back_e5m6("cast_back_e5m6", x, sf, block_tokens, block_channels, out_dtype)
+
+
+def cast_back_e5m6_colmajor_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    """cast_back_e5m6 with column-major scales given as their storage view (cast_back_colmajor's forms)."""
+    return _cast_back_e5m6("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype, config)
+
+
+cast_back_e5m6_colmajor = torch.library.custom_op(
+    "tkjit::cast_back_e5m6_colmajor", mutates_args=(), schema=_CAST_BACK_SCHEMA
+)(cast_back_e5m6_colmajor_impl)
+
+
+@cast_back_e5m6_colmajor.register_fake
+def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
+    return _fake_cast_back_e5m6("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype)

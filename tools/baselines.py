@@ -826,3 +826,74 @@ SHAPES.update({
     "mhc_post_bwd": [{"num_tokens": t, "mhc": 4, "hidden": h} for t, h in ((4096, 7168), (8192, 7168),
                                                                            (8192, 2560), (8192, 1280))],
 })
+
+
+# -- per_token_cast_e5m6 / cast_back_e5m6 (12-bit e5m6, one scale per token) ---------------------------------
+
+def _e5m6_cast_torch(col_major):
+    def make(shape):
+        from tkjit_kernels.quant.per_token_cast_e5m6 import reference, reference_colmajor
+
+        ref = reference_colmajor if col_major else reference
+        return lambda x: ref(shape, x)  # plain torch: amax, scale, integer encode and pack
+
+    return make
+
+
+def _e5m6_cast_tk(col_major):
+    def make(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.quant import per_token_cast
+
+        (x,) = inputs
+        return lambda: per_token_cast(x, "e5m6", shape["hidden"], use_tma_aligned_col_major_sf=col_major,
+                                      round_sf=shape["round_scale"])
+
+    return make
+
+
+def _e5m6_back_torch(col_major):
+    def make(shape):
+        from tkjit_kernels.quant.cast_back_e5m6 import reference, reference_colmajor
+
+        ref = reference_colmajor if col_major else reference
+        return lambda x, sf: ref(shape, x, sf)
+
+    return make
+
+
+def _e5m6_back_tk(col_major):
+    def make(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.quant import cast_back
+
+        x, sf = inputs
+        q = x.view(torch.uint8)  # TileKernels' form of the words
+        sf = sf.T if col_major else sf  # the column-major (num_sf_rows, ...) view TileKernels takes
+        fmt = "bf16" if shape["out_dtype"] == "bfloat16" else "fp32"
+        return lambda: cast_back((q, sf), fmt, (shape["block_tokens"], shape["block_channels"]), "e5m6")
+
+    return make
+
+
+TORCH.update({"per_token_cast_e5m6": _e5m6_cast_torch(False), "per_token_cast_e5m6_colmajor": _e5m6_cast_torch(True),
+              "cast_back_e5m6": _e5m6_back_torch(False), "cast_back_e5m6_colmajor": _e5m6_back_torch(True)})
+TILE_KERNELS.update({"per_token_cast_e5m6": _e5m6_cast_tk(False), "per_token_cast_e5m6_colmajor": _e5m6_cast_tk(True),
+                     "cast_back_e5m6": _e5m6_back_tk(False), "cast_back_e5m6_colmajor": _e5m6_back_tk(True)})
+SHAPES.update({
+    # TileKernels' benchmark sizes (4001 / 8001 tokens) at hidden 7168, 4096 and 576, and 32768 x 7168.
+    "per_token_cast_e5m6": [
+        {"num_tokens": n, "hidden": h} for n in (4001, 8001) for h in (7168, 4096, 576)
+    ] + [{"num_tokens": 32768, "hidden": 7168}, {"num_tokens": 8001, "hidden": 7168, "round_scale": True}],
+    "per_token_cast_e5m6_colmajor": [{"num_tokens": 8001, "hidden": 7168, "round_scale": True}],
+    "cast_back_e5m6": [
+        {"num_tokens": n, "num_sf_rows": n, "hidden": h, "block_channels": h} for n in (4001, 8001)
+        for h in (7168, 4096, 576)
+    ] + [{"num_tokens": 32768, "num_sf_rows": 32768, "hidden": 7168, "block_channels": 7168},
+         {"num_tokens": 8001, "num_sf_rows": 8001, "hidden": 7168, "block_channels": 7168, "out_dtype": "float32"}],
+    "cast_back_e5m6_colmajor": [
+        {"num_tokens": 8001, "num_sf_rows": 8001, "hidden": 7168, "block_channels": 7168, "sf_dtype": "int32"},
+    ],
+})

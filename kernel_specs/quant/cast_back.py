@@ -159,6 +159,17 @@ def _e2m1_bits(T, code):
     return mag | ((code & T.uint32(8)) << T.uint32(28))
 
 
+def load_scale(T, sf, k, srow, col_major, sdt):
+    """The float32 scale of scale row srow, column k: sf[srow, k] row-major, sf[k, srow] from the column-major
+    storage view, or byte k % 4 of word sf[k // 4, srow] as 2^(byte - 127) (the bit pattern byte << 23)."""
+    if not col_major:
+        return sf[srow, k]
+    if sdt != "int32":
+        return sf[k, srow]
+    byte = T.cast((sf[k // 4, srow] >> T.cast((k % 4) * 8, "int32")) & 255, "uint32")
+    return T.reinterpret(byte << T.uint32(23), T.float32)
+
+
 def build(shape, c):
     return _build(shape, c, col_major=False)
 
@@ -214,16 +225,7 @@ def _build(shape, c, col_major):
                 # Clamped: a direct call with fewer scale rows than ceil(num_tokens / BT) stays in bounds.
                 srow = T.min(row // BT, T.cast(num_sf_rows, "int64") - 1)
                 for s in T.unroll(NS):
-                    k = (col + s * S) // BC
-                    if col_major:
-                        if sdt == "int32":
-                            word = sf[k // 4, srow]
-                            byte = T.cast((word >> T.cast((k % 4) * 8, "int32")) & 255, "uint32")
-                            sc[it * NS + s] = T.reinterpret(byte << T.uint32(23), f32)
-                        else:
-                            sc[it * NS + s] = sf[k, srow]
-                    else:
-                        sc[it * NS + s] = sf[srow, k]
+                    sc[it * NS + s] = load_scale(T, sf, (col + s * S) // BC, srow, col_major, sdt)
             for it in T.unroll(iters):
                 p = T.cast(bx, "int64") * per_block + it * threads + tx
                 if p < total:
@@ -250,13 +252,19 @@ def make_inputs(shape, device="cpu", seed=0):
     to 4) column-major buffer whose padding holds garbage, as a caller's would."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     n = shape["num_tokens"]
-    m = sf_rows_of(n, shape["block_tokens"])
     if shape["in_fmt"] == "e4m3":
         b = torch.randint(0, 254, (n, shape["hidden"]), generator=g, dtype=torch.int32)
         b = b + (b >= 0x7F).int()  # skip 0x7F (NaN); 0xFF is past the range
         x = b.to(torch.uint8).view(torch.float8_e4m3fn)
     else:
         x = torch.randint(-128, 128, (n, shape["hidden"] // 2), generator=g, dtype=torch.int32).to(torch.int8)
+    return x.to(device), make_scales(shape, g).to(device)
+
+
+def make_scales(shape, g):
+    """Scales of many magnitudes, some 0 (float32: powers of two and not; packed: exponent bytes 100..150 and
+    0), drawn from the generator g: (num_sf_rows, num_sf_cols) float32, or (num_sf_rows, ceil(cols / 4)) int32."""
+    m = sf_rows_of(shape["num_tokens"], shape["block_tokens"])
     k = num_sf_cols(shape)
     if shape["sf_dtype"] == "int32":
         e = torch.randint(100, 151, (m, -(-k // 4) * 4), generator=g, dtype=torch.int32)
@@ -268,22 +276,33 @@ def make_inputs(shape, device="cpu", seed=0):
         s[:, 1::3] *= torch.rand(m, len(range(1, k, 3)), generator=g) + 0.5
         s[2::7, ::5] = 0.0
         sf = s
-    return x.to(device), sf.to(device)
+    return sf
 
 
 def make_inputs_colmajor(shape, device="cpu", seed=0):
     x, sf = make_inputs(shape, "cpu", seed)
-    return x.to(device), _colmajor_storage(sf, torch.Generator(device="cpu").manual_seed(seed + 1), device)
+    return x.to(device), colmajor_storage(sf, seed, device)
+
+
+def colmajor_storage(sf, seed, device="cpu"):
+    """The scales as make_inputs_colmajor passes them: the storage view of a TMA-aligned column-major buffer,
+    on device."""
+    return _colmajor_storage(sf, torch.Generator(device="cpu").manual_seed(seed + 1), device)
 
 
 def make_inputs_rowmajor(shape, device="cpu", seed=0):
     x, sf = make_inputs(shape, "cpu", seed)
-    if seed % 2:  # odd seeds: the scales as a row-strided view of a wider buffer
-        # made on the target device: .to(device) would copy the view into a contiguous tensor
+    return x.to(device), rowmajor_scales(sf, seed, device)
+
+
+def rowmajor_scales(sf, seed, device="cpu"):
+    """Odd seeds: the scales as a row-strided view of a wider buffer (NaN past the columns); even: as they are.
+    Made on device: .to(device) would copy the view into a contiguous tensor."""
+    if seed % 2:
         wide = torch.full((sf.shape[0], sf.shape[1] + 3), float("nan"), device=device)
         wide[:, : sf.shape[1]] = sf.to(device)
-        return x.to(device), wide[:, : sf.shape[1]]
-    return x.to(device), sf.to(device)
+        return wide[:, : sf.shape[1]]
+    return sf.to(device)
 
 
 def _colmajor_storage(s, g, device="cpu"):
@@ -316,22 +335,28 @@ def unpack_ue8m0(words, cols):
     return (b.to(torch.int32) << 23).view(torch.float32)
 
 
-def _dequant(shape, x, scales):
-    n, h = x.shape[0], shape["hidden"]
+def dequant(shape, values, scales):
+    """float32 values (num_tokens, hidden) times their block's scale, rounded once to out_dtype."""
+    n, h = values.shape[0], shape["hidden"]
     s = scales.repeat_interleave(shape["block_tokens"], 0).repeat_interleave(shape["block_channels"], 1)[:n, :h]
-    return (decode(shape, x) * s).to(getattr(torch, shape["out_dtype"]))
+    return (values * s).to(getattr(torch, shape["out_dtype"]))
+
+
+def colmajor_scales(shape, sf):
+    """The (num_sf_cols or words, num_sf_rows) storage view -> the float32 scales (num_sf_rows, num_sf_cols)."""
+    scales = sf.T
+    if shape["sf_dtype"] == "int32":
+        scales = unpack_ue8m0(scales, num_sf_cols(shape))
+    return scales
 
 
 def reference(shape, x, sf):
-    return _dequant(shape, x, sf)
+    return dequant(shape, decode(shape, x), sf)
 
 
 def reference_colmajor(shape, x, sf):
     """sf is the (num_sf_cols or words, num_sf_rows) storage view: its transpose holds the scales."""
-    scales = sf.T
-    if shape["sf_dtype"] == "int32":
-        scales = unpack_ue8m0(scales, num_sf_cols(shape))
-    return _dequant(shape, x, scales)
+    return dequant(shape, decode(shape, x), colmajor_scales(shape, sf))
 
 
 def _bytes_moved(s, col_major=False):

@@ -1,9 +1,10 @@
-"""TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` and `per_token_cast_with_sf_only`
-for fmt='e4m3' (its per_token_cast kernels), `per_block_cast`, `per_block_cast_with_sf_only` and
-`per_block_cast_with_precomputed_sf` for fmt='e4m3' (its per_block_cast kernels), `per_channel_cast` and
-`per_channel_cast_and_transpose` for fmt='e4m3' (its kernels of the same names), `cast_back` and
-`per_token_cast_back` (its cast_back kernels) and `unpack_from_e2m1fn_x2` (torch); every other function or
-option raises NotImplementedError naming it.
+"""TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` (fmt 'e4m3': its per_token_cast
+kernels; 'e5m6': its per_token_cast_e5m6 kernels) and `per_token_cast_with_sf_only` (e4m3),
+`per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its
+per_block_cast kernels), `per_channel_cast` and `per_channel_cast_and_transpose` for fmt='e4m3' (its kernels
+of the same names), `cast_back` and `per_token_cast_back` (its cast_back kernels; x_special_fmt='e5m6': its
+cast_back_e5m6 kernels) and `unpack_from_e2m1fn_x2` (torch); every other function or option raises
+NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
     values  (num_tokens, hidden) torch.float8_e4m3fn, contiguous
@@ -24,8 +25,17 @@ cast_back(x, fmt, x_block_size) and per_token_cast_back(x, fmt, num_per_channels
     scales  (ceil(num_tokens / num_per_tokens), ceil(hidden / num_per_channels)) torch.float32, row-major
             (any row stride) or column-major (stride(0) == 1: per_token_cast's TMA-aligned view), or the
             column-major packed UE8M0 torch.int32 (.., ceil(num_groups / 4)) form per_token_cast returns.
-Any positive x_block_size whose num_per_channels is a multiple of 8 or divides 8 is served. x_special_fmt='e5m6'
-and uint8 values raise NotImplementedError.
+Any positive x_block_size whose num_per_channels is a multiple of 8 or divides 8 is served. uint8 values
+without x_special_fmt='e5m6' raise NotImplementedError.
+
+per_token_cast(x, 'e5m6', num_per_channels, ...) (num_per_channels == hidden, a multiple of 8, x_block_size
+None, as TileKernels asserts; its per_token_cast_to_e5m6 kernel) returns
+    values  (num_tokens, hidden * 3 / 2) torch.uint8: eight 12-bit e5m6 values (the top 12 bits of a float16,
+            rounded to nearest even) per three little-endian 32-bit words, bit-exact with TileKernels
+    scales  (num_tokens, 1) torch.float32, amax / 65024 (round_sf: up to a power of two); column-major (strides
+            (1, align(num_tokens, 4))) and packed UE8M0 int32 as for e4m3.
+cast_back / per_token_cast_back with x_special_fmt='e5m6' dequantise those uint8 values (hidden a multiple of 8
+and of num_per_channels, as TileKernels asserts) with the same scale forms and block sizes as e4m3.
 
 per_block_cast(x, 'e4m3', (block_m, block_k), ...) (block_m and block_k 32 or 128, x contiguous, hidden a
 multiple of 64, as TileKernels asserts) returns (values, scales) laid out as per_token_cast's with
@@ -73,8 +83,11 @@ def _per_token_cast(
     """TileKernels' per_token_cast_impl checks, then tkjit's kernel: (values, scales)."""
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(FORMATS)}, got {fmt!r}")
+    if fmt == "e5m6":
+        return _per_token_cast_e5m6(fn, x, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf,
+                                    use_packed_ue8m0)
     if fmt != "e4m3":
-        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts to 'e4m3' only)")
+        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts to 'e4m3' and 'e5m6' only)")
     if x_block_size is not None or isinstance(x, tuple):
         raise missing(fn, FAMILY, f"x_block_size={x_block_size!r} (re-casting a quantised (values, scales) input)")
     if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
@@ -362,7 +375,7 @@ def _cast_back(fn: str, x, fmt, x_block_size, x_special_fmt) -> torch.Tensor:
     if not isinstance(fmt, str) or fmt not in BACK_FORMATS:
         raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(BACK_FORMATS)}, got {fmt!r}")
     if x_special_fmt == "e5m6":
-        raise missing(fn, FAMILY, "x_special_fmt='e5m6'")
+        return _cast_back_e5m6(fn, x, fmt, x_block_size)
     if x_special_fmt is not None:
         raise ShapeError(f"tile_kernels.{fn}: x_special_fmt must be None or 'e5m6', got {x_special_fmt!r}")
     if not isinstance(x, tuple) or len(x) != 2:
@@ -436,3 +449,71 @@ def per_block_cast_lossless(
     use_packed_ue8m0: bool = False,
 ) -> QuantTensor:
     raise missing("quant.per_block_cast_lossless", FAMILY)
+
+
+# -- per_token_cast / cast_back, fmt e5m6 ----------------------------------------------------------------
+
+def _per_token_cast_e5m6(fn: str, x, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf,
+                         use_packed_ue8m0) -> tuple[torch.Tensor, torch.Tensor]:
+    """TileKernels' per_token_cast_to_e5m6 checks, then tkjit's kernel: (uint8 values, scales)."""
+    if x_block_size is not None or isinstance(x, tuple):  # asserts in TileKernels
+        raise ShapeError(f"tile_kernels.{fn}: fmt='e5m6' takes no x_block_size (a plain bf16 / fp32 x), "
+                         f"got {x_block_size!r}")
+    if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
+        raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
+    tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
+    hidden = x.shape[1]
+    group = as_int(fn, "num_per_channels", num_per_channels)
+    if group != hidden:
+        raise ShapeError(f"tile_kernels.{fn}: fmt='e5m6' needs num_per_channels == hidden ({hidden}), got {group}")
+    if hidden % 8:
+        raise ShapeError(f"tile_kernels.{fn}: fmt='e5m6' needs hidden (x.shape[1]) a multiple of 8, got {hidden}")
+    round_scale = bool(round_sf)
+    in_dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
+    require_kernel(fn, FAMILY, "per_token_cast_e5m6", {"hidden": hidden, "in_dtype": in_dtype,
+                                                       "round_scale": round_scale},
+                   {"hidden": "hidden (x.shape[1])", "in_dtype": "x.dtype"}, {"num_tokens": max(1, x.shape[0])})
+    return ops.per_token_cast_e5m6(rows_aligned(x), round_scale=round_scale,
+                                   col_major_scales=bool(use_tma_aligned_col_major_sf),
+                                   packed_ue8m0=bool(use_packed_ue8m0))
+
+
+def _cast_back_e5m6(fn: str, x, fmt, x_block_size) -> torch.Tensor:
+    """TileKernels' cast_back_e5m6 checks (fmt already checked), then tkjit's kernel."""
+    if not isinstance(x, tuple) or len(x) != 2:
+        raise TensorError(f"tile_kernels.{fn}: x must be a (values, scales) tuple, got {type(x).__name__}")
+    data, sf = x
+    tensor(fn, "x[0] (values)", data, (2,), (torch.uint8,))
+    tensor(fn, "x[1] (scales)", sf, (2,), (torch.int32, torch.float32))
+    col_major = sf.stride(0) == 1  # TileKernels reads the layout off the strides
+    if not col_major and (sf.stride(1) != 1 or sf.dtype != torch.float32):
+        raise TensorError(f"tile_kernels.{fn}: x[1] (scales) must be float32 with a contiguous last axis, or "
+                          f"column-major (stride(0) == 1); got {sf.dtype} strides {sf.stride()}")
+    if not isinstance(x_block_size, tuple) or len(x_block_size) != 2:
+        raise ShapeError(f"tile_kernels.{fn}: x_block_size must be a (num_per_tokens, num_per_channels) tuple, "
+                         f"got {x_block_size!r}")
+    bt = as_int(fn, "x_block_size[0] (num_per_tokens)", x_block_size[0])
+    bc = as_int(fn, "x_block_size[1] (num_per_channels)", x_block_size[1])
+    if bt < 1 or bc < 1:
+        raise ShapeError(f"tile_kernels.{fn}: x_block_size must be positive, got {x_block_size!r}")
+    num_tokens, width = data.shape
+    if width % 12:
+        raise ShapeError(f"tile_kernels.{fn}: x[0] (values) has {width} bytes per row; e5m6 packs 8 values in "
+                         f"12 bytes (hidden * 3 / 2, hidden a multiple of 8)")
+    hidden = width // 3 * 2
+    if hidden % bc:
+        raise ShapeError(f"tile_kernels.{fn}: hidden ({hidden}) must be a multiple of num_per_channels ({bc})")
+    cols = hidden // bc
+    want = (-(-num_tokens // bt), -(-cols // 4) if sf.dtype == torch.int32 else cols)
+    if tuple(sf.shape) != want:
+        raise TensorError(f"tile_kernels.{fn}: x[1] (scales) has shape {tuple(sf.shape)}, expected {want} for "
+                          f"{num_tokens} tokens, hidden {hidden} and x_block_size {x_block_size}")
+    out_dtype = "bfloat16" if fmt == "bf16" else "float32"
+    require_kernel(fn, FAMILY, "cast_back_e5m6_colmajor" if col_major else "cast_back_e5m6",
+                   {"hidden": hidden, "block_tokens": bt, "block_channels": bc, "out_dtype": out_dtype,
+                    "sf_dtype": "int32" if sf.dtype == torch.int32 else "float32"},
+                   {"hidden": "hidden", "block_tokens": "num_per_tokens", "block_channels": "num_per_channels",
+                    "out_dtype": "fmt", "sf_dtype": "x[1].dtype"},
+                   {"num_tokens": max(1, num_tokens)})
+    return ops.cast_back_e5m6(rows_aligned(data), sf, (bt, bc),
+                              out_dtype=torch.bfloat16 if fmt == "bf16" else torch.float32)
