@@ -895,9 +895,11 @@ def _cast_back_static(name, x, sf, block_tokens, block_channels, out_dtype) -> d
             "block_channels": block_channels, "in_fmt": fmt, "out_dtype": out_dtype, "sf_dtype": dtype_name(sf.dtype)}
 
 
-def _cast_back(name, x, sf, block_tokens, block_channels, out_dtype, config):
-    static = _cast_back_static(name, x, sf, block_tokens, block_channels, out_dtype)
-    n, rows = x.shape[0], sf.shape[1 if name == "cast_back_colmajor" else 0]
+def _cast_back(name, x, sf, block_tokens, block_channels, out_dtype, config, static_of=None):
+    """One dequantising call of `name` (cast_back[_e5m6][_colmajor]): the scales' token rows checked, the kernel
+    got for the shape. static_of: the static params read off the arguments (the e4m3 / e2m1 form's default)."""
+    static = (static_of or _cast_back_static)(name, x, sf, block_tokens, block_channels, out_dtype)
+    n, rows = x.shape[0], sf.shape[1 if name.endswith("_colmajor") else 0]
     if type(block_tokens) is int and block_tokens >= 1 and rows != -(-n // block_tokens):
         raise TensorError(f"{name}: sf has {rows} token rows, expected ceil(num_tokens / block_tokens) = "
                           f"ceil({n} / {block_tokens}) = {-(-n // block_tokens)} (sf shape {tuple(sf.shape)})")
@@ -905,10 +907,10 @@ def _cast_back(name, x, sf, block_tokens, block_channels, out_dtype, config):
     return get(name, shape, arch=arch_of(x), config=_config(config))(x, sf)
 
 
-def _fake_cast_back(name, x, sf, block_tokens, block_channels, out_dtype):
-    static = _cast_back_static(name, x, sf, block_tokens, block_channels, out_dtype)
+def _fake_cast_back(name, x, sf, block_tokens, block_channels, out_dtype, static_of=None):
+    static = (static_of or _cast_back_static)(name, x, sf, block_tokens, block_channels, out_dtype)
     _fake_check(name, static, x, sf)
-    rows = sf.shape[1 if name == "cast_back_colmajor" else 0]
+    rows = sf.shape[1 if name.endswith("_colmajor") else 0]
     torch._check(rows == (x.shape[0] + block_tokens - 1) // block_tokens,
                  lambda: f"{name}: sf's token rows must be ceil(num_tokens / block_tokens)")
     return x.new_empty((x.shape[0], static["hidden"]), dtype=torch_dtype(out_dtype))
@@ -1449,30 +1451,12 @@ def _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype)
             "out_dtype": out_dtype, "sf_dtype": dtype_name(sf.dtype)}
 
 
-def _cast_back_e5m6(name, x, sf, block_tokens, block_channels, out_dtype, config):
-    static = _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype)
-    n, rows = x.shape[0], sf.shape[1 if name == "cast_back_e5m6_colmajor" else 0]
-    if type(block_tokens) is int and block_tokens >= 1 and rows != -(-n // block_tokens):
-        raise TensorError(f"{name}: sf has {rows} token rows, expected ceil(num_tokens / block_tokens) = "
-                          f"ceil({n} / {block_tokens}) = {-(-n // block_tokens)} (sf shape {tuple(sf.shape)})")
-    shape = {"num_tokens": max(1, n), "num_sf_rows": max(1, rows), **static}
-    return get(name, shape, arch=arch_of(x), config=_config(config))(x, sf)
-
-
-def _fake_cast_back_e5m6(name, x, sf, block_tokens, block_channels, out_dtype):
-    static = _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype)
-    _fake_check(name, static, x, sf)
-    rows = sf.shape[1 if name == "cast_back_e5m6_colmajor" else 0]
-    torch._check(rows == (x.shape[0] + block_tokens - 1) // block_tokens,
-                 lambda: f"{name}: sf's token rows must be ceil(num_tokens / block_tokens)")
-    return x.new_empty((x.shape[0], static["hidden"]), dtype=torch_dtype(out_dtype))
-
-
 def cast_back_e5m6_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
     """Packed e5m6 values as int32 words (num_tokens, hidden * 3 / 8) and float32 scales
     (ceil(num_tokens / block_tokens), ceil(hidden / block_channels)), row-major (rows at any stride)
     -> (num_tokens, hidden) bfloat16 / float32: values * scales, bit-exact."""
-    return _cast_back_e5m6("cast_back_e5m6", x, sf, block_tokens, block_channels, out_dtype, config)
+    return _cast_back("cast_back_e5m6", x, sf, block_tokens, block_channels, out_dtype, config,
+                      _cast_back_e5m6_static)
 
 
 cast_back_e5m6 = torch.library.custom_op(
@@ -1482,12 +1466,13 @@ cast_back_e5m6 = torch.library.custom_op(
 
 @cast_back_e5m6.register_fake
 def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
-    return _fake_cast_back_e5m6("cast_back_e5m6", x, sf, block_tokens, block_channels, out_dtype)
+    return _fake_cast_back("cast_back_e5m6", x, sf, block_tokens, block_channels, out_dtype, _cast_back_e5m6_static)
 
 
 def cast_back_e5m6_colmajor_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
     """cast_back_e5m6 with column-major scales given as their storage view (cast_back_colmajor's forms)."""
-    return _cast_back_e5m6("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype, config)
+    return _cast_back("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype, config,
+                      _cast_back_e5m6_static)
 
 
 cast_back_e5m6_colmajor = torch.library.custom_op(
@@ -1497,4 +1482,5 @@ cast_back_e5m6_colmajor = torch.library.custom_op(
 
 @cast_back_e5m6_colmajor.register_fake
 def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
-    return _fake_cast_back_e5m6("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype)
+    return _fake_cast_back("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype,
+                           _cast_back_e5m6_static)

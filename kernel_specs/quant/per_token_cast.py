@@ -55,6 +55,7 @@ import torch
 
 from tkjit.registry import register
 from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit_kernels.quant._group_amax import group_amax_macro
 
 GROUPS = (16, 32, 64, 128)  # TileKernels' per-group sizes (besides group == hidden)
 FP8_MAX = 448.0
@@ -161,9 +162,8 @@ def _build(shape, c, col_major):
     per_thread = cpt * vec
     slots = threads // tpg  # groups a block works on at once
     gpb = slots * iters  # groups per block
-    warp_tpg = min(tpg, 32)
-    LOG_W = warp_tpg.bit_length() - 1
     wpg = max(1, tpg // 32)  # warps per group
+    group_amax = group_amax_macro(T, per_thread=per_thread, tpg=tpg)
     num_tokens = T.dynamic("num_tokens")
     f32, fp8 = T.float32, T.float8_e4m3fn
     # Column-major scales: (NG, num_tokens rounded up to TMA_ALIGN), the same expression as the
@@ -210,19 +210,7 @@ def _build(shape, c, col_major):
                         else:
                             for v in T.vectorized(vec):
                                 xs[i * vec + v] = T.cast(0, in_dtype)
-                amax[0] = T.float32(0)
-                for e in T.unroll(per_thread):
-                    amax[0] = T.max(amax[0], T.abs(T.cast(xs[e], f32)))
-                for step in T.unroll(LOG_W):
-                    amax[0] = T.max(amax[0], T.shfl_xor(amax[0], (warp_tpg // 2) >> step))
-                if wpg > 1:
-                    if tx % 32 == 0:
-                        red[tx // 32] = amax[0]
-                    T.sync_threads()
-                    first = (tx // tpg) * wpg
-                    for w in T.unroll(wpg):
-                        amax[0] = T.max(amax[0], red[first + w])
-                    T.sync_threads()
+                group_amax(xs, amax, red if wpg > 1 else None, tx)
                 amax[0] = T.max(amax[0], T.float32(AMAX_MIN))
                 sf[0] = T.ieee_fdiv(amax[0], T.float32(FP8_MAX))
                 if round_scale:

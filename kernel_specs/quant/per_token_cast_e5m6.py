@@ -33,6 +33,7 @@ import torch
 from tkjit.registry import register
 from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant import _e5m6
+from tkjit_kernels.quant._group_amax import group_amax_macro
 from tkjit_kernels.quant.per_token_cast import MAX_ELEMS_PER_THREAD, TMA_ALIGN
 
 SPACE = {
@@ -135,9 +136,8 @@ def _build(shape, c, col_major):
     OW = H * 3 // 8  # output words per token
     slots = threads // tpg  # tokens a block works on at once
     rpb = slots * iters  # tokens per block
-    warp_tpg = min(tpg, 32)
-    LOG_W = warp_tpg.bit_length() - 1
     wpg = max(1, tpg // 32)  # warps per token
+    group_amax = group_amax_macro(T, per_thread=per_thread, tpg=tpg)
     num_tokens = T.dynamic("num_tokens")
     f32, u32 = T.float32, T.uint32
     sf_shape = (1, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, 1)
@@ -197,19 +197,7 @@ def _build(shape, c, col_major):
                         else:
                             for v in T.vectorized(vec):
                                 xs[i * vec + v] = T.cast(0, in_dtype)
-                amax[0] = T.float32(0)
-                for e in T.unroll(per_thread):
-                    amax[0] = T.max(amax[0], T.abs(T.cast(xs[e], f32)))
-                for step in T.unroll(LOG_W):
-                    amax[0] = T.max(amax[0], T.shfl_xor(amax[0], (warp_tpg // 2) >> step))
-                if wpg > 1:
-                    if tx % 32 == 0:
-                        red[tx // 32] = amax[0]
-                    T.sync_threads()
-                    first = (tx // tpg) * wpg
-                    for w in T.unroll(wpg):
-                        amax[0] = T.max(amax[0], red[first + w])
-                    T.sync_threads()
+                group_amax(xs, amax, red if wpg > 1 else None, tx)
                 amax[0] = T.max(amax[0], T.float32(_e5m6.AMAX_MIN))
                 sf[0] = T.ieee_fdiv(amax[0], T.float32(_e5m6.E5M6_MAX))
                 if round_scale:
