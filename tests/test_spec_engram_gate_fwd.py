@@ -272,3 +272,30 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented():
     x = torch.zeros(2, 17, 512, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"engram_gate_fwd: hc_mult \(hidden_states.shape\[1\]\)=17"):
         tk.engram.engram_gate_fwd(x, x, x[:, 0], torch.ones(17, 512), 1e-6, 1e-6)
+
+
+# -- the backward's maths (groundwork for engram_gate_bwd): float64 autograd of the forward ----------
+
+@pytest.mark.parametrize("seed, clamp_value", [(0, 1e-6), (1, 1e-6), (2, 0.3)])
+def test_gate_gradient_formulas_match_float64_autograd(seed, clamp_value):
+    """The closed forms TileKernels' backward kernel uses (via `_gate.gate_grad64`, from the saved
+    values) against torch autograd through the float64 forward: grad_x, grad_k, grad_v, grad_w."""
+    from tkjit_kernels.engram._gate import forward64, gate_grad64
+
+    g = torch.Generator().manual_seed(seed)
+    x, k, v, w = spec().make_inputs(_full(23, 4, 512), seed=seed)
+    xd, kd, vd, wd = (t.double().requires_grad_() for t in (x, k, v, w))
+    out, dot, gate, rx, rk = forward64(xd, kd, vd, wd, 1e-6, clamp_value)
+    go = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    gx, gk, gv, gw = torch.autograd.grad(out, (xd, kd, vd, wd), go)
+    h = x.shape[-1]
+    x64, k64, v64, w64 = x.double(), k.double(), v.double(), w.double()
+    dldg = (go * v64.unsqueeze(1)).sum(-1)
+    dr = gate_grad64(dldg, dot.detach(), gate.detach(), rx.detach(), rk.detach(), h, clamp_value).unsqueeze(-1)
+    d, rx2, rk2 = dot.detach().unsqueeze(-1), rx.detach().unsqueeze(-1) ** 2, rk.detach().unsqueeze(-1) ** 2
+    torch.testing.assert_close(go + dr * (k64 * w64 - x64 * d * rx2 / h), gx, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dr * (x64 * w64 - k64 * d * rk2 / h), gk, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close((go * gate.detach().unsqueeze(-1)).sum(1), gv, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close((dr * x64 * k64).sum(0), gw, rtol=1e-10, atol=1e-12)
+    if clamp_value == 0.3:  # some scores under the clamp: their gate gradient is 0
+        assert bool((dr == 0).any())
