@@ -34,6 +34,7 @@ INDEX = {
     "batched_transpose": "tkjit_kernels.transpose.transpose",
     "engram_hash": "tkjit_kernels.engram.engram_hash",
     "fused_weight": "tkjit_kernels.engram.fused_weight",
+    "engram_gate_fwd": "tkjit_kernels.engram.engram_gate_fwd",
     "cast_back": "tkjit_kernels.quant.cast_back",
     "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
     "per_channel_cast": "tkjit_kernels.quant.per_channel_cast",

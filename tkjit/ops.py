@@ -624,3 +624,17 @@ def cast_back_e5m6(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[int, int
     if _eager(words, sf):
         return torch_ops.cast_back_e5m6_impl(words, sf, bt, bc, od, cfg)
     return torch.ops.tkjit.cast_back_e5m6.default(words, sf, bt, bc, od, cfg)
+
+
+# -- engram_gate ---------------------------------------------------------------------------------------
+
+def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_fused: torch.Tensor,
+                    eps: float, clamp_value: float, *, config=None) -> tuple[torch.Tensor, ...]:
+    """TileKernels' `engram.engram_gate_fwd` on the flattened tokens: hidden_states, k (num_tokens, hc_mult,
+    hidden_size) and v (num_tokens, hidden_size) bf16 (k and v may be row-strided views), weight_fused
+    (hc_mult, hidden_size) float32 -> (out bf16 like hidden_states, dot, gate_score, rstd_x, rstd_k
+    (num_tokens, hc_mult) float32). Not differentiable by itself (see tkjit.autograd)."""
+    tensors = (hidden_states, k, v, weight_fused)
+    if _eager(*tensors):
+        return torch_ops.engram_gate_fwd_impl(*tensors, eps, clamp_value, encode_config(config))
+    return torch.ops.tkjit.engram_gate_fwd.default(*tensors, float(eps), float(clamp_value), encode_config(config))

@@ -1484,3 +1484,50 @@ cast_back_e5m6_colmajor = torch.library.custom_op(
 def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
     return _fake_cast_back("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype,
                            _cast_back_e5m6_static)
+
+
+# -- engram_gate ---------------------------------------------------------------------------------------
+# torch.ops.tkjit.engram_gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value, config=None)
+#     -> (out, dot, gate_score, rstd_x, rstd_k)
+# on the flattened tokens: hidden_states, k and out (num_tokens, hc_mult, hidden_size), v (num_tokens,
+# hidden_size) bfloat16 (k and v may be row-strided views), weight_fused (hc_mult, hidden_size) and the
+# saved values (num_tokens, hc_mult) float32.
+
+def _engram_gate_static(name, hidden_states, eps, clamp_value) -> dict:
+    _need(hidden_states, (3,), f"{name}: hidden_states")
+    return {"hc_mult": int(hidden_states.shape[1]), "hidden_size": int(hidden_states.shape[2]),
+            "eps": float(eps), "clamp_value": float(clamp_value)}
+
+
+def engram_gate_fwd_impl(hidden_states, k, v, weight_fused, eps, clamp_value, config=None):
+    """TileKernels' engram_gate_fwd: out = x + gate * v (bf16) and dot, gate_score, rstd_x, rstd_k."""
+    static = _engram_gate_static("engram_gate_fwd", hidden_states, eps, clamp_value)
+    kern = get("engram_gate_fwd", {"num_tokens": max(1, hidden_states.shape[0]), **static},
+               arch=arch_of(hidden_states), config=_config(config))
+    return kern(hidden_states, k, v, weight_fused)
+
+
+engram_gate_fwd = torch.library.custom_op(
+    "tkjit::engram_gate_fwd", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor k, Tensor v, Tensor weight_fused, float eps, float clamp_value, "
+           "str? config=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)(engram_gate_fwd_impl)
+
+
+def _fake_engram_gate(name, hidden_states, k, v, weight_fused, eps, clamp_value, *extra):
+    static = _engram_gate_static(name, hidden_states, eps, clamp_value)
+    _need(k, (3,), f"{name}: k")
+    _need(v, (2,), f"{name}: v")
+    _need(weight_fused, (2,), f"{name}: weight_fused")
+    tensors = (*extra, hidden_states, k, v, weight_fused)
+    _fake_check(name, static, *tensors)
+    for t in (*extra, k, v):
+        torch._check(t.shape[0] == hidden_states.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
+
+
+@engram_gate_fwd.register_fake
+def _(hidden_states, k, v, weight_fused, eps, clamp_value, config=None):
+    _fake_engram_gate("engram_gate_fwd", hidden_states, k, v, weight_fused, eps, clamp_value)
+    t, m = hidden_states.shape[:2]
+    saved = [weight_fused.new_empty((t, m)) for _ in range(4)]
+    return (hidden_states.new_empty(hidden_states.shape), *saved)

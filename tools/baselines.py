@@ -897,3 +897,35 @@ SHAPES.update({
         {"num_tokens": 8001, "num_sf_rows": 8001, "hidden": 7168, "block_channels": 7168, "sf_dtype": "int32"},
     ],
 })
+
+
+# -- engram_gate -----------------------------------------------------------------------------------------
+# TileKernels ships no benchmark for the gate: mHC rate 4 at the hidden sizes its kernels are tuned for
+# (4096, 7168), prefill-sized token counts. k and v contiguous (the kernels read strided views as well).
+
+def _engram_gate_fwd_torch(shape):
+    def run(x, k, v, w):
+        # TileKernels' engram_gate_ref maths in float32 (weight_fused in place of wh * we)
+        xf, kf = x.float(), k.float()
+        rx = torch.rsqrt(xf.pow(2).mean(-1) + shape["eps"])
+        rk = torch.rsqrt(kf.pow(2).mean(-1) + shape["eps"])
+        raw = (xf * w * kf).sum(-1)
+        d = raw * rx * rk * shape["hidden_size"] ** -0.5
+        g = torch.copysign(d.abs().clamp_min(shape["clamp_value"]).sqrt(), d).sigmoid()
+        return (xf + g.unsqueeze(-1) * v.unsqueeze(-2)).bfloat16(), raw, g, rx, rk
+
+    return run
+
+
+def _engram_gate_fwd_tk(shape, inputs):
+    if _tile_kernels() is None or shape["hidden_size"] % 256 or shape["hidden_size"] < 512:
+        return None
+    from tile_kernels.engram import engram_gate_fwd
+
+    return lambda: engram_gate_fwd(*inputs, shape["eps"], shape["clamp_value"])
+
+
+TORCH["engram_gate_fwd"] = _engram_gate_fwd_torch
+TILE_KERNELS["engram_gate_fwd"] = _engram_gate_fwd_tk
+SHAPES["engram_gate_fwd"] = [{"num_tokens": n, "hc_mult": 4, "hidden_size": h} for h in (7168, 4096)
+                             for n in (4096, 16384)]

@@ -1,12 +1,12 @@
-"""TileKernels' `engram` kernels. tkjit serves `engram_hash` and `fused_weight`; the others
-(`engram_gate_fwd`, `engram_gate_bwd`, `grad_w_reduce`) raise NotImplementedError naming them."""
+"""TileKernels' `engram` kernels. tkjit serves `engram_hash`, `fused_weight` and `engram_gate_fwd`; the
+others (`engram_gate_bwd`, `grad_w_reduce`) raise NotImplementedError naming them."""
 
 from __future__ import annotations
 
 import torch
 
 from tkjit import ops
-from tkjit.compat.tile_kernels._support import missing, require_kernel, rows_aligned, tensor
+from tkjit.compat.tile_kernels._support import as_float, missing, require_kernel, rows_aligned, tensor
 from tkjit.errors import ShapeError, TensorError
 
 FAMILY = "engram"
@@ -44,7 +44,31 @@ def engram_gate_fwd(
     clamp_value: float,
     save_for_backward: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    raise missing("engram.engram_gate_fwd", FAMILY)
+    """The Engram gate's forward: out = x + sigmoid(copysign(sqrt(max(|s|, clamp_value)), s)) * v with
+    s = sum(x * weight_fused * k) * rstd_x * rstd_k / sqrt(hidden_size) per token and head.
+
+    hidden_states, k (num_tokens, hc_mult, hidden_size) and v (num_tokens, hidden_size) bfloat16 (k and v
+    may be strided views with a contiguous last axis), weight_fused (hc_mult, hidden_size) float32,
+    hidden_size a multiple of 256 and >= 512 (TileKernels' block sizes) -> (out, dot, gate_score, rstd_x,
+    rstd_k): out a new (num_tokens, hc_mult, hidden_size) bfloat16 tensor, the others (num_tokens,
+    hc_mult) float32 (dot unscaled), or None when save_for_backward is False. The float32 sums are
+    tkjit's order, so they agree with TileKernels' to float32 rounding, not bit for bit.
+    """
+    fn = "engram.engram_gate_fwd"
+    x, k, v, w = _gate_tensors(fn, hidden_states, k, v, weight_fused)
+    eps, clamp_value = as_float(fn, "eps", eps), as_float(fn, "clamp_value", clamp_value)
+    num_tokens, hc_mult, hidden_size = x.shape
+    if num_tokens == 0:  # nothing to launch
+        saved = [torch.empty((0, hc_mult), dtype=torch.float32, device=x.device) for _ in range(4)]
+        out = torch.empty_like(x)
+    else:
+        require_kernel(fn, FAMILY, "engram_gate_fwd",
+                       {"hc_mult": hc_mult, "hidden_size": hidden_size, "eps": eps, "clamp_value": clamp_value},
+                       _GATE_NAMES, {"num_tokens": num_tokens})
+        out, *saved = ops.engram_gate_fwd(x, k, v, w, eps, clamp_value)
+    if not save_for_backward:
+        return out, None, None, None, None
+    return (out, *saved)
 
 
 def engram_gate_bwd(
@@ -70,6 +94,45 @@ def grad_w_reduce(
     grad_weight_embed: torch.Tensor,
 ) -> None:
     raise missing("engram.grad_w_reduce", FAMILY)
+
+
+_GATE_NAMES = {"hc_mult": "hc_mult (hidden_states.shape[1])", "hidden_size": "hidden_size (hidden_states.shape[2])",
+               "num_tokens": "num_tokens (hidden_states.shape[0])"}
+
+
+def _strided_ok(x: torch.Tensor) -> torch.Tensor:
+    """x when tkjit's kernels read it in place (rows that do not overlap, starting aligned), else a copy:
+    TileKernels reads any leading strides (a broadcast k too); the values are the same either way."""
+    cols = x.shape[-1]
+    if any(n > 1 and s < cols for s, n in zip(x.stride()[:-1], x.shape[:-1])):
+        return x.contiguous()
+    return rows_aligned(x)
+
+
+def _gate_tensors(fn: str, hidden_states, k, v, weight_fused):
+    """The gate kernels' tensors checked as TileKernels asserts them (TensorError / ShapeError naming the
+    argument), then made readable in place: hidden_states, k, v, weight_fused."""
+    tensor(fn, "hidden_states", hidden_states, (3,), (torch.bfloat16,))
+    tensor(fn, "k", k, (3,), (torch.bfloat16,))
+    tensor(fn, "v", v, (2,), (torch.bfloat16,))
+    tensor(fn, "weight_fused", weight_fused, (2,), (torch.float32,))
+    num_tokens, hc_mult, hidden_size = hidden_states.shape
+    want = {"k": (num_tokens, hc_mult, hidden_size), "v": (num_tokens, hidden_size),
+            "weight_fused": (hc_mult, hidden_size)}
+    for name, t in (("k", k), ("v", v), ("weight_fused", weight_fused)):
+        shape = want[name]
+        if tuple(t.shape) != shape:
+            raise TensorError(f"tile_kernels.{fn}: {name} has shape {tuple(t.shape)}, expected {shape} "
+                              f"(hidden_states is {tuple(hidden_states.shape)})")
+    for name, t in (("k", k), ("v", v)):
+        if t.numel() and t.stride(-1) != 1:
+            raise TensorError(f"tile_kernels.{fn}: {name} must have a contiguous last axis (stride 1), got "
+                              f"strides {t.stride()}")
+    if hidden_size % 256 or hidden_size < 512:
+        raise ShapeError(f"tile_kernels.{fn}: hidden_size (hidden_states.shape[2] = {hidden_size}) must be a "
+                         "multiple of 256 and at least 512")
+    return (rows_aligned(hidden_states.contiguous()), _strided_ok(k), _strided_ok(v),
+            rows_aligned(weight_fused.contiguous()))
 
 
 def engram_hash(

@@ -1,6 +1,7 @@
 """TileKernels' `modeling.engram`: the fused Engram gate. tkjit serves its weight fusion
-(`engram.fused_weight`) but not the gate's forward and backward kernels yet: applying `EngramGateFn`
-(or `engram_gate`) raises NotImplementedError naming it."""
+(`engram.fused_weight`) and forward kernel (`engram.engram_gate_fwd`) but not the backward kernels
+(`engram_gate_bwd`, `grad_w_reduce`) yet: applying `EngramGateFn` (or `engram_gate`) raises
+NotImplementedError naming it."""
 
 from __future__ import annotations
 
