@@ -2,8 +2,8 @@
 for fmt='e4m3' (its per_token_cast kernels), `per_block_cast`, `per_block_cast_with_sf_only` and
 `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its per_block_cast kernels), `per_channel_cast`,
 `per_channel_cast_and_transpose` and `per_channel_cast_fused` for fmt='e4m3' (its kernels of the same names),
-`cast_back` and `per_token_cast_back` (its cast_back kernels) and `unpack_from_e2m1fn_x2` (torch); every other function or
-option raises NotImplementedError naming it.
+`cast_back` and `per_token_cast_back` (its cast_back kernels) and `unpack_from_e2m1fn_x2` (torch); every other
+function or option raises NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
     values  (num_tokens, hidden) torch.float8_e4m3fn, contiguous
