@@ -39,6 +39,7 @@ INDEX = {
     "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
     "per_channel_cast": "tkjit_kernels.quant.per_channel_cast",
     "per_channel_cast_and_transpose": "tkjit_kernels.quant.per_channel_cast_and_transpose",
+    "per_channel_cast_fused": "tkjit_kernels.quant.per_channel_cast_fused",
     "mhc_post_fwd": "tkjit_kernels.mhc.post",
     "mhc_post_bwd": "tkjit_kernels.mhc.post_bwd",
     "per_token_cast_e5m6": "tkjit_kernels.quant.per_token_cast_e5m6",

@@ -45,16 +45,14 @@ SERVED = {
             "expand_to_fused_with_sf", "top2_sum_gate"},
     "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2", "cast_back",
               "per_token_cast_back", "per_block_cast", "per_block_cast_with_sf_only",
-              "per_block_cast_with_precomputed_sf", "per_channel_cast", "per_channel_cast_and_transpose"},
+              "per_block_cast_with_precomputed_sf", "per_channel_cast", "per_channel_cast_and_transpose",
+              "per_channel_cast_fused"},
     "transpose": {"transpose", "batched_transpose"},
-    "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix"},
+    "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix", "mhc_post", "mhc_post_fwd",
+                         "mhc_post_bwd"},
     "modeling.mhc": {"expand_from_embedding"},
-    "engram": {"engram_hash", "fused_weight"},
+    "engram": {"engram_hash", "fused_weight", "engram_gate_fwd"},
 }
-# -- mhc_post --- (tests in test_spec_mhc_post.py)
-SERVED["modeling.mhc.ops"] = SERVED["modeling.mhc.ops"] | {"mhc_post", "mhc_post_fwd", "mhc_post_bwd"}
-# -- engram_gate --- (tests in test_spec_engram_gate_fwd.py)
-SERVED["engram"] = SERVED["engram"] | {"engram_gate_fwd"}
 FAMILY = {"engram": "engram", "modeling.engram": "engram", "modeling.mhc": "mhc", "modeling.mhc.ops": "mhc",
           "moe": "moe", "quant": "quant"}
 CUDA_ONLY = ("topk_gate", "per_token_cast", "per_token_cast_colmajor")

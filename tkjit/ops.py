@@ -638,3 +638,19 @@ def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if _eager(*tensors):
         return torch_ops.engram_gate_fwd_impl(*tensors, eps, clamp_value, encode_config(config))
     return torch.ops.tkjit.engram_gate_fwd.default(*tensors, float(eps), float(clamp_value), encode_config(config))
+
+
+# -- per_channel_cast_fused ---------------------------------------------------------------------------
+
+def per_channel_cast_fused(x: torch.Tensor, num_per_tokens: int = 128, *, x_sf: torch.Tensor | None = None,
+                           pos_to_token: torch.Tensor | None = None, round_scale: bool = False,
+                           config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_channel_cast of rows gathered through pos_to_token ((num_tokens_out,) int32; a position outside
+    [0, num_tokens) gives a zero row), from x (num_tokens, hidden) bf16/f32, or FP8 e4m3 x dequantised by
+    x_sf (num_tokens, hidden / 128) float32, both contiguous: (fp8 e4m3 values (num_tokens_out, hidden), float32
+    scales (ceil(num_tokens_out / num_per_tokens), hidden)); TileKernels' `per_channel_cast_fused`. The last
+    block of rows may be partial."""
+    args = (x, x_sf, pos_to_token, num_per_tokens, round_scale, encode_config(config))
+    if _eager(*[t for t in (x, x_sf, pos_to_token) if t is not None]):
+        return torch_ops.per_channel_cast_fused_impl(*args)
+    return torch.ops.tkjit.per_channel_cast_fused.default(*args)

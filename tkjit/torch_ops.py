@@ -1531,3 +1531,70 @@ def _(hidden_states, k, v, weight_fused, eps, clamp_value, config=None):
     t, m = hidden_states.shape[:2]
     saved = [weight_fused.new_empty((t, m)) for _ in range(4)]
     return (hidden_states.new_empty(hidden_states.shape), *saved)
+
+
+# -- per_channel_cast_fused --------------------------------------------------------------------------
+# x (num_tokens, hidden) bf16/f32, or FP8 with its per-token scales x_sf (num_tokens, hidden / 128) float32;
+# rows gathered through pos_to_token (num_tokens_out,) int32 when given. Returns TileKernels' tensors:
+# values (num_tokens_out, hidden) fp8 e4m3, scales (ceil(num_tokens_out / num_per_tokens), hidden) float32.
+
+_PCC_FUSED_SCHEMA = ("(Tensor x, Tensor? x_sf=None, Tensor? pos_to_token=None, int num_per_tokens=128, "
+                     "bool round_scale=False, str? config=None) -> (Tensor, Tensor)")
+
+
+def _pcc_fused_static(x, x_sf, pos_to_token, num_per_tokens, round_scale) -> dict:
+    """The static shape, or ShapeError/TensorError naming the argument (before any division by it)."""
+    from tkjit_kernels.quant._per_channel import TOKENS_PER_SCALE
+
+    name = "per_channel_cast_fused"
+    _need(x, (2,), name)
+    if x_sf is not None:
+        _need(x_sf, (2,), f"{name}: x_sf")
+    if pos_to_token is not None:
+        _need(pos_to_token, (1,), f"{name}: pos_to_token")
+    if type(num_per_tokens) is not int or num_per_tokens not in TOKENS_PER_SCALE:
+        raise ShapeError(f"{name}: num_per_tokens must be one of {list(TOKENS_PER_SCALE)}, got {num_per_tokens!r}")
+    return {"hidden": int(x.shape[1]), "num_per_tokens": num_per_tokens, "in_dtype": dtype_name(x.dtype),
+            "round_scale": round_scale, "has_x_sf": x_sf is not None, "has_pos": pos_to_token is not None}
+
+
+def per_channel_cast_fused_impl(x, x_sf=None, pos_to_token=None, num_per_tokens=128, round_scale=False,
+                                config=None):
+    """per_channel_cast of x's rows gathered through pos_to_token (a position outside [0, num_tokens): a zero
+    row), x bf16/f32 or FP8 e4m3 times x_sf (one float32 scale per row and 128 channels): (fp8 e4m3 values
+    (num_tokens_out, hidden), float32 scales (ceil(num_tokens_out / num_per_tokens), hidden))."""
+    name = "per_channel_cast_fused"
+    static = _pcc_fused_static(x, x_sf, pos_to_token, num_per_tokens, round_scale)
+    (n, h), npt = x.shape, num_per_tokens
+    m = pos_to_token.shape[0] if pos_to_token is not None else n
+    if pos_to_token is not None:
+        check_indices(name, "pos_to_token", pos_to_token, n, lo=-(2**31))
+    kern = get(name, {**static, "num_tokens": max(1, n), "num_tokens_out": max(1, m)}, arch=arch_of(x),
+               config=_config(config))
+    out = x.new_empty((m, h), dtype=torch.float8_e4m3fn)
+    scales = x.new_empty(((m + npt - 1) // npt, h), dtype=torch.float32)
+    if n == 0 and m:  # nothing to gather: every row is zero; one zero row of x stands in (no map entry reads it
+        x = x.new_zeros((1, h))  # as anything but zero), so the launch is not skipped as empty
+        x_sf = x_sf.new_zeros((1, x_sf.shape[1])) if x_sf is not None else None
+    args = [t for t in (x, x_sf, pos_to_token) if t is not None]
+    kern(*args, out=(out, scales))
+    return out, scales
+
+
+per_channel_cast_fused = torch.library.custom_op(
+    "tkjit::per_channel_cast_fused", mutates_args=(), schema=_PCC_FUSED_SCHEMA
+)(per_channel_cast_fused_impl)
+
+
+@per_channel_cast_fused.register_fake
+def _(x, x_sf=None, pos_to_token=None, num_per_tokens=128, round_scale=False, config=None):
+    name = "per_channel_cast_fused"
+    static = _pcc_fused_static(x, x_sf, pos_to_token, num_per_tokens, round_scale)
+    _fake_check(name, static, *[t for t in (x, x_sf) if t is not None])
+    if pos_to_token is not None and pos_to_token.dtype != torch.int32:
+        raise TensorError(f"{name}: input pos_to_token has dtype {pos_to_token.dtype}, expected torch.int32")
+    if x_sf is not None:
+        torch._check(x_sf.shape[0] == x.shape[0], lambda: f"{name}: x and x_sf differ in num_tokens")
+    m = pos_to_token.shape[0] if pos_to_token is not None else x.shape[0]
+    out = x.new_empty((m, x.shape[1]), dtype=torch.float8_e4m3fn)
+    return out, x.new_empty(((m + num_per_tokens - 1) // num_per_tokens, x.shape[1]), dtype=torch.float32)

@@ -929,3 +929,43 @@ TORCH["engram_gate_fwd"] = _engram_gate_fwd_torch
 TILE_KERNELS["engram_gate_fwd"] = _engram_gate_fwd_tk
 SHAPES["engram_gate_fwd"] = [{"num_tokens": n, "hc_mult": 4, "hidden_size": h} for h in (7168, 4096)
                              for n in (4096, 16384)]
+
+
+# -- per_channel_cast_fused ---------------------------------------------------------------------------
+# Inputs: x (num_tokens, hidden), then x_sf (FP8 input) and pos_to_token (a map), as the spec's make_inputs gives
+# them (even seeds: map entries in [-1, num_tokens), what TileKernels reads).
+
+def _pcc_fused_torch(shape):
+    from tkjit_kernels.quant.per_channel_cast_fused import reference
+
+    return lambda *inputs: reference(shape, *inputs)  # plain torch on x's device: gather, dequantise, cast
+
+
+def _pcc_fused_tk(shape, inputs):
+    m, h = shape["num_tokens_out"], shape["hidden"]
+    if _tile_kernels() is None or shape["num_per_tokens"] != 128 or m % (16 if shape["has_pos"] else 128):
+        return None  # TileKernels: 128 rows per scale, 16-aligned maps, 128-aligned rows without one
+    if shape["has_x_sf"] and h == 128:
+        return None  # its (num_tokens, 1) scales look column-major to it
+    from tile_kernels.quant import per_channel_cast_fused
+
+    x, *rest = inputs
+    x_sf = rest.pop(0) if shape["has_x_sf"] else None
+    pos = rest.pop(0) if shape["has_pos"] else None
+    arg = (x, x_sf) if x_sf is not None else x
+    npc = 128 if x_sf is not None else None
+    return lambda: per_channel_cast_fused(arg, "e4m3", 128, shape["round_scale"], npc, pos)
+
+
+TORCH["per_channel_cast_fused"] = _pcc_fused_torch
+TILE_KERNELS["per_channel_cast_fused"] = _pcc_fused_tk
+# TileKernels' benchmark: 4096 tokens without a map; MoE expansion at topk 6 from 4001 tokens per rank
+# (~24K expanded rows from ~16-24K received tokens), hidden sizes 7168 and 4096, bf16 or FP8 (per_token_cast'ed).
+SHAPES["per_channel_cast_fused"] = [
+    {"num_tokens": 4096, "num_tokens_out": 4096, "hidden": h} for h in (7168, 4096)
+] + [
+    {"num_tokens": 4096, "num_tokens_out": 4096, "hidden": 7168, "in_dtype": "float8_e4m3fn", "has_x_sf": True},
+] + [
+    {"num_tokens": 16384, "num_tokens_out": 24576, "hidden": h, "has_pos": True, **fp8}
+    for h in (7168, 4096) for fp8 in ({}, {"in_dtype": "float8_e4m3fn", "has_x_sf": True})
+]

@@ -1,4 +1,5 @@
-"""What the per-channel FP8 casts share: shapes, tensors, reference, inputs, traffic, the scale maths.
+"""What the per-channel FP8 casts share: shapes, tensors, reference, inputs, traffic, the scale maths,
+and the register-tile space of per_channel_cast and per_channel_cast_fused.
 
 per_channel_cast and per_channel_cast_and_transpose cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3
 with one float32 scale per channel and block of `num_per_tokens` consecutive tokens (TileKernels'
@@ -25,6 +26,8 @@ asks for a multiple of 128); `tkjit.ops` makes the views and refuses other token
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tkjit.spec import Runtime, Static, TensorArg, Tolerance
@@ -33,6 +36,8 @@ FP8_MAX = 448.0
 AMAX_MIN = 1e-4
 TOKENS_PER_SCALE = (32, 128)  # TileKernels' num_per_tokens (per_channel_cast_and_transpose takes both)
 ELEM_BYTES = {"bfloat16": 2, "float32": 4}
+FP8_IN = "float8_e4m3fn"  # per_channel_cast_fused's other input: FP8 values with per-token scales
+IN_BYTES = {**ELEM_BYTES, FP8_IN: 1}
 MAX_ELEMS_PER_THREAD = 128  # registers per thread for staged x
 
 PARAMS = (
@@ -46,7 +51,7 @@ PARAMS = (
 
 
 def elem_bytes(shape) -> int:
-    return ELEM_BYTES[shape["in_dtype"]]
+    return IN_BYTES[shape["in_dtype"]]
 
 
 def num_tokens(shape) -> int:
@@ -162,3 +167,62 @@ def scale_blocks(round_scale: bool):
         return T.cast(T.max(T.min(T.cast(v, f32) * inv_e, f32(FP8_MAX)), f32(-FP8_MAX)), T.float8_e4m3fn)
 
     return scale_and_inv, quantise
+
+
+# -- the register tile of per_channel_cast and per_channel_cast_fused ---------------------------------------
+# One thread block per token block x block_ch channels; a thread holds `vec` channels of num_per_tokens /
+# (threads / ch_threads) token rows in registers (per_channel_cast.py draws it).
+
+TILE_SPACE = {
+    "vec": (4, 8, 16),  # channels per thread (one or two 16-byte loads)
+    "ch_threads": (4, 8, 16, 32, 64),  # threads along the channels of a tile
+    "threads": (128, 256, 512),
+}
+
+
+def tile_constraint(shape, c, row_regs: int = 0) -> str | None:
+    """Why config c cannot hold its tile in registers, else None. row_regs: registers the kernel keeps per
+    token row beside the values (per_channel_cast_fused: the gathered row index, the row's input scale)."""
+    npt, h = shape["num_per_tokens"], shape["hidden"]
+    vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
+    if vec * elem_bytes(shape) > 32:
+        return "a thread's vector is at most 32 bytes (two 16-byte loads)"
+    if cht > threads:
+        return "ch_threads cannot exceed threads"
+    tok_threads = threads // cht
+    if npt % tok_threads:
+        return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
+    tpt = npt // tok_threads
+    elems = tpt * vec
+    if elems > MAX_ELEMS_PER_THREAD:
+        return f"{elems} elements per thread would spill (max {MAX_ELEMS_PER_THREAD})"
+    # Registers: the staged x, amax/sf/inv per channel, ~24 for addresses; an SM has 64K for the block.
+    regs = elems * elem_bytes(shape) // 4 + 3 * vec + 24 + row_regs * tpt
+    if regs > min(255, 65536 // threads):
+        return f"~{regs} registers per thread would spill at {threads} threads"
+    if vec * cht >= 2 * h and cht > TILE_SPACE["ch_threads"][0]:
+        return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h} (fewer ch_threads)"
+    return None
+
+
+def valid_tiles(shape, constraint) -> list[dict]:
+    keys = list(TILE_SPACE)
+    combos = (dict(zip(keys, vals)) for vals in itertools.product(*TILE_SPACE.values()))
+    return [c for c in combos if constraint(shape, c) is None]
+
+
+def tile_default(shape, constraint) -> dict:
+    """16-byte loads, a warp along 32 vectors of one token row (512 contiguous bytes of bf16), 256
+    threads: 8 token rows, so a thread holds num_per_tokens / 8 vectors (16 loads in flight at 128
+    tokens per scale, ~100 registers, two blocks per SM); 512 threads where 256 would hold too much
+    (FP8 input: 16 channels a vector). Narrow hidden: fewer threads along channels."""
+    vec = 16 // elem_bytes(shape)
+    cht = 32
+    while vec * cht >= 2 * shape["hidden"] and cht > 4:
+        cht //= 2
+    for threads in (256, 512, 128):
+        cfg = {"vec": vec, "ch_threads": cht, "threads": threads}
+        if constraint(shape, cfg) is None:
+            return cfg
+    return min(valid_tiles(shape, constraint),
+               key=lambda c: (c["vec"] != vec, -c["vec"] * c["ch_threads"], c["threads"]))

@@ -18,53 +18,29 @@ A channel tile past hidden (hidden % block_ch != 0) checks each vector (hidden i
 vector is wholly inside or outside); the check is generated only for such shapes.
 """
 
-import itertools
-
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, TensorArg
 from tkjit_kernels.quant._per_channel import (
     COMMON,
-    MAX_ELEMS_PER_THREAD,
     SCALES,
+    TILE_SPACE,
     check_hidden,
-    elem_bytes,
     reference_blocks,
     scale_blocks,
+    tile_constraint,
+    tile_default,
+    valid_tiles,
 )
 
-SPACE = {
-    "vec": (4, 8, 16),  # channels per thread (one or two 16-byte loads)
-    "ch_threads": (4, 8, 16, 32, 64),  # threads along the channels of a tile
-    "threads": (128, 256, 512),
-}
+SPACE = TILE_SPACE
 
 
 def constraint(shape, c):
-    npt, h = shape["num_per_tokens"], shape["hidden"]
-    vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    if vec * elem_bytes(shape) > 32:
-        return "a thread's vector is at most 32 bytes (two 16-byte loads)"
-    if cht > threads:
-        return "ch_threads cannot exceed threads"
-    tok_threads = threads // cht
-    if npt % tok_threads:
-        return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
-    elems = (npt // tok_threads) * vec
-    if elems > MAX_ELEMS_PER_THREAD:
-        return f"{elems} elements per thread would spill (max {MAX_ELEMS_PER_THREAD})"
-    # Registers: the staged x, amax/sf/inv per channel, ~24 for addresses; an SM has 64K for the block.
-    regs = elems * elem_bytes(shape) // 4 + 3 * vec + 24
-    if regs > min(255, 65536 // threads):
-        return f"~{regs} registers per thread would spill at {threads} threads"
-    if vec * cht >= 2 * h and cht > SPACE["ch_threads"][0]:
-        return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h} (fewer ch_threads)"
-    return None
+    return tile_constraint(shape, c)
 
 
 def _valid(shape):
-    keys = list(SPACE)
-    combos = (dict(zip(keys, vals)) for vals in itertools.product(*SPACE.values()))
-    return [c for c in combos if constraint(shape, c) is None]
+    return valid_tiles(shape, constraint)
 
 
 def check_shape(shape):
@@ -72,18 +48,7 @@ def check_shape(shape):
 
 
 def default(shape):
-    """16-byte loads, a warp along 32 vectors of one token row (512 contiguous bytes of bf16), 256
-    threads: 8 token rows, so a thread holds num_per_tokens / 8 vectors (16 loads in flight at 128
-    tokens per scale, ~100 registers, two blocks per SM). Narrow hidden: fewer threads along channels."""
-    vec = 16 // elem_bytes(shape)
-    cht = 32
-    while vec * cht >= 2 * shape["hidden"] and cht > 4:
-        cht //= 2
-    for threads in (256, 512, 128):
-        cfg = {"vec": vec, "ch_threads": cht, "threads": threads}
-        if constraint(shape, cfg) is None:
-            return cfg
-    return min(_valid(shape), key=lambda c: (c["vec"] != vec, -c["vec"] * c["ch_threads"], c["threads"]))
+    return tile_default(shape, constraint)
 
 
 def build(shape, c):

@@ -1,10 +1,10 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` (fmt 'e4m3': its per_token_cast
 kernels; 'e5m6': its per_token_cast_e5m6 kernels) and `per_token_cast_with_sf_only` (e4m3),
 `per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its
-per_block_cast kernels), `per_channel_cast` and `per_channel_cast_and_transpose` for fmt='e4m3' (its kernels
-of the same names), `cast_back` and `per_token_cast_back` (its cast_back kernels; x_special_fmt='e5m6': its
-cast_back_e5m6 kernels) and `unpack_from_e2m1fn_x2` (torch); every other function or option raises
-NotImplementedError naming it.
+per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose` and `per_channel_cast_fused`
+for fmt='e4m3' (its kernels of the same names), `cast_back` and `per_token_cast_back` (its cast_back kernels;
+x_special_fmt='e5m6': its cast_back_e5m6 kernels) and `unpack_from_e2m1fn_x2` (torch); every other function
+or option raises NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
     values  (num_tokens, hidden) torch.float8_e4m3fn, contiguous
@@ -52,6 +52,17 @@ same names) return
 for x bf16 or float32 (TileKernels' transpose takes bf16 only) and num_per_tokens 32 or 128 (TileKernels'
 per_channel_cast takes 128 only); num_tokens a multiple of num_per_tokens, hidden of 16 (TileKernels asks
 for multiples of 128 and 64).
+
+per_channel_cast_fused(x, 'e4m3', num_per_tokens, round_sf, num_per_channels, pos_to_token) casts x's rows
+gathered through pos_to_token ((num_tokens_out,) int32, a multiple of 16 long; -1 gives a zero row, as does
+any position outside [0, num_tokens), where TileKernels reads out of bounds) and returns per_channel_cast's
+layout with num_tokens_out rows: values (num_tokens_out, hidden), scales (ceil(num_tokens_out /
+num_per_tokens), hidden) float32 row-major, the last block's scales over its rows only. x is bf16/f32
+(num_per_channels None) or TileKernels' QuantTensor (values float8_e4m3fn, scales float32 (num_tokens,
+hidden / 128) row-major contiguous) with num_per_channels=128, dequantised on the fly (values times scale, then
+times the quantisation factor: two roundings, as TileKernels). Without pos_to_token num_tokens is a multiple of
+num_per_tokens; num_per_tokens 32 or 128 (TileKernels: 128), hidden a multiple of 16 (128 with FP8 input).
+Column-major or packed UE8M0 input scales are refused, as TileKernels' kernel refuses them.
 """
 
 from __future__ import annotations
@@ -219,7 +230,67 @@ def per_channel_cast_fused(
     num_per_channels: int | None = None,
     pos_to_token: torch.Tensor | None = None,
 ) -> QuantTensor:
-    raise missing("quant.per_channel_cast_fused", FAMILY)
+    """per_channel_cast of x's rows gathered through pos_to_token (-1: a zero row), x bf16/f32 or a
+    (values fp8 e4m3, scales float32 (num_tokens, hidden / 128)) pair with num_per_channels=128, dequantised on
+    the fly: (values (num_tokens_out, hidden), scales (ceil(num_tokens_out / num_per_tokens), hidden))."""
+    fn = "quant.per_channel_cast_fused"
+    x_sf = None
+    if isinstance(x, tuple):  # TileKernels' QuantTensor: (values, per-token scales)
+        if len(x) != 2:
+            raise TensorError(f"tile_kernels.{fn}: x must be a tensor or a (values, scales) pair, got a tuple of "
+                              f"{len(x)}")
+        x, x_sf = x
+        if num_per_channels is None:
+            raise ShapeError(f"tile_kernels.{fn}: num_per_channels must be given (128) when x is a (values, scales) "
+                             "pair")
+        if as_int(fn, "num_per_channels", num_per_channels) != 128:
+            raise ShapeError(f"tile_kernels.{fn}: num_per_channels must be 128, got {num_per_channels}")
+        tensor(fn, "x[0] (values)", x, (2,), (torch.float8_e4m3fn,))
+        tensor(fn, "x[1] (scales)", x_sf, (2,), (torch.float32,))
+    else:
+        if num_per_channels is not None:
+            raise ShapeError(f"tile_kernels.{fn}: num_per_channels={num_per_channels!r} is for a (values, scales) x "
+                             "only; pass None with a plain tensor")
+        tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
+    if not isinstance(fmt, str) or fmt != "e4m3":
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be 'e4m3', got {fmt!r}")
+    if not x.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: x must be contiguous, got strides {x.stride()} for shape "
+                          f"{tuple(x.shape)}")
+    npt = as_int(fn, "num_per_tokens", num_per_tokens)
+    if npt not in PER_CHANNEL_TOKENS:
+        raise ShapeError(f"tile_kernels.{fn}: num_per_tokens must be one of {list(PER_CHANNEL_TOKENS)}, got {npt}")
+    n, hidden = x.shape
+    if hidden % 16:  # (TileKernels' kernel tiles 128 channels)
+        raise ShapeError(f"tile_kernels.{fn}: hidden (x.shape[1] = {hidden}) must be a multiple of 16")
+    if x_sf is not None:
+        if hidden % 128:
+            raise ShapeError(f"tile_kernels.{fn}: hidden (x[0].shape[1] = {hidden}) must be a multiple of 128 with "
+                             "num_per_channels=128")
+        if tuple(x_sf.shape) != (n, hidden // 128) or not x_sf.is_contiguous():
+            raise TensorError(f"tile_kernels.{fn}: x[1] (scales) must be contiguous (num_tokens, hidden / 128) = "
+                              f"{(n, hidden // 128)} (row-major), got shape {tuple(x_sf.shape)} strides "
+                              f"{x_sf.stride()}")
+    m = n
+    if pos_to_token is not None:
+        tensor(fn, "pos_to_token", pos_to_token, (1,), (torch.int32,))
+        if not pos_to_token.is_contiguous():
+            raise TensorError(f"tile_kernels.{fn}: pos_to_token must be contiguous, got stride {pos_to_token.stride()}")
+        m = pos_to_token.shape[0]
+        if m % 16:
+            raise ShapeError(f"tile_kernels.{fn}: num_tokens_out (pos_to_token.shape[0] = {m}) must be a multiple "
+                             "of 16")
+    elif n % npt:
+        raise ShapeError(f"tile_kernels.{fn}: num_tokens (x.shape[0] = {n}) must be a multiple of num_per_tokens "
+                         f"({npt})")
+    round_scale = bool(round_sf)
+    in_dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(x.dtype, "float8_e4m3fn")
+    require_kernel(fn, FAMILY, "per_channel_cast_fused",
+                   {"hidden": hidden, "num_per_tokens": npt, "in_dtype": in_dtype, "round_scale": round_scale,
+                    "has_x_sf": x_sf is not None, "has_pos": pos_to_token is not None},
+                   {"hidden": "hidden (x.shape[1])", "in_dtype": "x.dtype"},
+                   {"num_tokens": max(1, n), "num_tokens_out": max(1, m)})
+    return ops.per_channel_cast_fused(x, npt, x_sf=x_sf, pos_to_token=pos_to_token, round_scale=round_scale)
 
 
 def per_channel_cast_and_transpose(
