@@ -40,4 +40,8 @@ INDEX = {
     "per_channel_cast_and_transpose": "tkjit_kernels.quant.per_channel_cast_and_transpose",
     "mhc_post_fwd": "tkjit_kernels.mhc.post",
     "mhc_post_bwd": "tkjit_kernels.mhc.post_bwd",
+    "mhc_head_compute_mix": "tkjit_kernels.mhc.head_compute_mix",
+    "mhc_head_compute_mix_bwd": "tkjit_kernels.mhc.head_compute_mix_bwd",
+    "mhc_pre_split_mixes": "tkjit_kernels.mhc.pre_split_mixes",
+    "mhc_pre_split_mixes_bwd": "tkjit_kernels.mhc.pre_split_mixes_bwd",
 }
