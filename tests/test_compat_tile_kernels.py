@@ -53,6 +53,8 @@ SERVED = {
 }
 # -- mhc_post --- (tests in test_spec_mhc_post.py)
 SERVED["modeling.mhc.ops"] = SERVED["modeling.mhc.ops"] | {"mhc_post", "mhc_post_fwd", "mhc_post_bwd"}
+# -- mhc_head_compute_mix / mhc_pre_split_mixes --- (tests in test_spec_mhc_head_compute_mix.py, ..._pre_split_mixes.py)
+SERVED["modeling.mhc.ops"] = SERVED["modeling.mhc.ops"] | {"mhc_head_compute_mix", "mhc_pre_split_mixes"}
 FAMILY = {"engram": "engram", "modeling.engram": "engram", "modeling.mhc": "mhc", "modeling.mhc.ops": "mhc",
           "moe": "moe", "quant": "quant"}
 CUDA_ONLY = ("topk_gate", "per_token_cast", "per_token_cast_colmajor")
