@@ -46,4 +46,8 @@ INDEX = {
     "per_token_cast_e5m6_colmajor": "tkjit_kernels.quant.per_token_cast_e5m6",
     "cast_back_e5m6": "tkjit_kernels.quant.cast_back_e5m6",
     "cast_back_e5m6_colmajor": "tkjit_kernels.quant.cast_back_e5m6",
+    "mhc_head_compute_mix": "tkjit_kernels.mhc.head_compute_mix",
+    "mhc_head_compute_mix_bwd": "tkjit_kernels.mhc.head_compute_mix_bwd",
+    "mhc_pre_split_mixes": "tkjit_kernels.mhc.pre_split_mixes",
+    "mhc_pre_split_mixes_bwd": "tkjit_kernels.mhc.pre_split_mixes_bwd",
 }

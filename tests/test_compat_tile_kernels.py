@@ -49,7 +49,7 @@ SERVED = {
               "per_channel_cast_fused"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix", "mhc_post", "mhc_post_fwd",
-                         "mhc_post_bwd"},
+                         "mhc_post_bwd", "mhc_head_compute_mix", "mhc_pre_split_mixes"},
     "modeling.mhc": {"expand_from_embedding"},
     "engram": {"engram_hash", "fused_weight", "engram_gate_fwd"},
 }

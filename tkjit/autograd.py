@@ -248,3 +248,69 @@ def mhc_post_args(op: str, x, residual, post_layer_mix, comb_res_mix):
         if t.dtype != dtypes[name]:
             raise TensorError(f"{op}: {name} must be {dtypes[name]}, got {t.dtype}")
     return tuple(t.contiguous() for t in tensors.values())
+
+
+# -- mhc_head_compute_mix / mhc_pre_split_mixes ------------------------------------------------------
+# The eager pairs, as MhcPostFunction: the ops' implementations called directly (torch.compile and
+# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers), on the flattened float32
+# rows. The backward kernels recompute the sigmoids from the inputs, so only the inputs are saved.
+
+
+class MhcHeadComputeMixFunction(torch.autograd.Function):
+    """Eager mhc_head_compute_mix / mhc_head_compute_mix_bwd on input_mix (num_tokens, mhc_mult) float32."""
+
+    @staticmethod
+    def forward(ctx, input_mix, mhc_scale, mhc_base, mhc_pre_eps, config, bwd_config):
+        ctx.save_for_backward(input_mix, mhc_scale, mhc_base)
+        ctx.bwd_config = bwd_config
+        return torch_ops.mhc_head_compute_mix_impl(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        with torch.no_grad():
+            grads = torch_ops.mhc_head_compute_mix_bwd_impl(grad.float().contiguous(), *saved, ctx.bwd_config)
+        deps = (grad, *saved)
+        return (*(_once("mhc_head_compute_mix", g, *deps) for g in grads), None, None, None)
+
+
+class MhcPreSplitMixesFunction(torch.autograd.Function):
+    """Eager mhc_pre_split_mixes / mhc_pre_split_mixes_bwd on input_mixes (num_tokens, 2m + m*m) float32."""
+
+    @staticmethod
+    def forward(ctx, input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value, mhc_pre_eps, config,
+                bwd_config):
+        ctx.save_for_backward(input_mixes, mhc_scale, mhc_base)
+        ctx.args = (mhc_mult, mhc_post_mult_value, bwd_config)
+        return torch_ops.mhc_pre_split_mixes_impl(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value,
+                                                  mhc_pre_eps, config)
+
+    @staticmethod
+    def backward(ctx, pre_grad, post_grad, comb_grad):
+        saved = ctx.saved_tensors
+        m, mult, bwd_config = ctx.args
+        gs = torch_ops.split_mix_grads((pre_grad, post_grad, comb_grad), saved[0], m)
+        with torch.no_grad():
+            grads = torch_ops.mhc_pre_split_mixes_bwd_impl(*gs, *saved, mult, bwd_config)
+        deps = tuple(g for g in (pre_grad, post_grad, comb_grad) if g is not None) + saved
+        return (*(_once("mhc_pre_split_mixes", g, *deps) for g in grads), None, None, None, None, None)
+
+
+def mhc_head_compute_mix_flat(input_mix, mhc_scale, mhc_base, mhc_pre_eps: float, fwd_config=None,
+                              bwd_config=None) -> torch.Tensor:
+    """Differentiable mhc_head_compute_mix on the kernel's (num_tokens, mhc_mult) rows."""
+    args = (input_mix, mhc_scale, mhc_base, float(mhc_pre_eps), encode_config(fwd_config), encode_config(bwd_config))
+    if all(plain(t) for t in args[:3]):
+        return MhcHeadComputeMixFunction.apply(*args)
+    return torch.ops.tkjit.mhc_head_compute_mix.default(*args)
+
+
+def mhc_pre_split_mixes_flat(input_mixes, mhc_scale, mhc_base, mhc_mult: int, mhc_post_mult_value: float,
+                             mhc_pre_eps: float, fwd_config=None, bwd_config=None) -> tuple[torch.Tensor, ...]:
+    """Differentiable mhc_pre_split_mixes on the kernel's (num_tokens, 2m + m*m) rows: (pre (num_tokens, m),
+    post (num_tokens, m), comb (num_tokens, m*m))."""
+    args = (input_mixes, mhc_scale, mhc_base, int(mhc_mult), float(mhc_post_mult_value), float(mhc_pre_eps),
+            encode_config(fwd_config), encode_config(bwd_config))
+    if all(plain(t) for t in args[:3]):
+        return MhcPreSplitMixesFunction.apply(*args)
+    return torch.ops.tkjit.mhc_pre_split_mixes.default(*args)

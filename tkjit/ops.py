@@ -654,3 +654,125 @@ def per_channel_cast_fused(x: torch.Tensor, num_per_tokens: int = 128, *, x_sf: 
     if _eager(*[t for t in (x, x_sf, pos_to_token) if t is not None]):
         return torch_ops.per_channel_cast_fused_impl(*args)
     return torch.ops.tkjit.per_channel_cast_fused.default(*args)
+
+
+# -- mhc_head_compute_mix / mhc_pre_split_mixes -------------------------------------------------------
+
+def _mix_param(fn: str, name: str, t, shape: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TensorError(f"{fn}: {name} must be a torch.Tensor of shape {shape}, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TensorError(f"{fn}: {name} must be torch.float32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise TensorError(f"{fn}: {name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise TensorError(f"{fn}: {name} is on {t.device}, the mixes on {device}")
+
+
+def check_head_compute_mix(fn: str, input_mix, mhc_scale, mhc_base) -> int:
+    """TensorError naming the bad argument of mhc_head_compute_mix: input_mix (..., mhc_mult) float32,
+    mhc_scale (1,), mhc_base (mhc_mult,) float32 on its device. Returns mhc_mult."""
+    _mhc_tensor(fn, "input_mix", input_mix, 1, torch.float32, "(..., mhc_mult)")
+    m = input_mix.shape[-1]
+    _mix_param(fn, "mhc_scale", mhc_scale, (1,), input_mix.device)
+    _mix_param(fn, "mhc_base", mhc_base, (m,), input_mix.device)
+    return m
+
+
+def check_pre_split_mixes(fn: str, input_mixes, mhc_scale, mhc_base, mhc_mult) -> int:
+    """ShapeError / TensorError naming the bad argument of mhc_pre_split_mixes: mhc_mult an int >= 1,
+    input_mixes (..., 2 * mhc_mult + mhc_mult**2) float32, mhc_scale (3,), mhc_base (2m + m*m,). Returns the
+    row width."""
+    if isinstance(mhc_mult, bool) or not isinstance(mhc_mult, int) or mhc_mult < 1:
+        raise ShapeError(f"{fn}: mhc_mult must be an int >= 1, got {mhc_mult!r}")
+    w = 2 * mhc_mult + mhc_mult * mhc_mult
+    _mhc_tensor(fn, "input_mixes", input_mixes, 1, torch.float32, f"(..., {w})")
+    if input_mixes.shape[-1] != w:
+        raise TensorError(f"{fn}: input_mixes must have 2 * mhc_mult + mhc_mult**2 = {w} columns (mhc_mult="
+                          f"{mhc_mult}), got shape {tuple(input_mixes.shape)}")
+    _mix_param(fn, "mhc_scale", mhc_scale, (3,), input_mixes.device)
+    _mix_param(fn, "mhc_base", mhc_base, (w,), input_mixes.device)
+    return w
+
+
+def mhc_head_compute_mix(input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor,
+                         mhc_pre_eps: float, *, config=None, bwd_config=None) -> torch.Tensor:
+    """input_mix (..., mhc_mult) float32, mhc_scale (1,), mhc_base (mhc_mult,) float32 -> (..., mhc_mult)
+    float32 = sigmoid(input_mix * mhc_scale + mhc_base) + mhc_pre_eps (TileKernels' mhc_head_compute_mix).
+    Differentiable in all three tensors (the gradient runs mhc_head_compute_mix_bwd)."""
+    from tkjit.autograd import mhc_head_compute_mix_flat
+
+    m = check_head_compute_mix("mhc_head_compute_mix", input_mix, mhc_scale, mhc_base)
+    flat = input_mix.reshape(-1, m).contiguous()
+    scale, base = mhc_scale.contiguous(), mhc_base.contiguous()
+    if _eager(flat, scale, base):
+        out = torch_ops.mhc_head_compute_mix_impl(flat, scale, base, float(mhc_pre_eps), encode_config(config))
+    else:
+        out = mhc_head_compute_mix_flat(flat, scale, base, mhc_pre_eps, config, bwd_config)
+    return out.view(input_mix.shape)
+
+
+def mhc_head_compute_mix_bwd(output_mix_grad: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor,
+                             mhc_base: torch.Tensor, *, config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mhc_head_compute_mix's gradients given output_mix_grad (input_mix's shape) float32: (input_mix_grad,
+    mhc_scale_grad (1,), mhc_base_grad (mhc_mult,)), float32."""
+    fn = "mhc_head_compute_mix_bwd"
+    m = check_head_compute_mix(fn, input_mix, mhc_scale, mhc_base)
+    _mhc_tensor(fn, "output_mix_grad", output_mix_grad, 1, torch.float32, "(..., mhc_mult)")
+    if output_mix_grad.shape != input_mix.shape:
+        raise TensorError(f"{fn}: output_mix_grad must have input_mix's shape {tuple(input_mix.shape)}, got "
+                          f"{tuple(output_mix_grad.shape)}")
+    tensors = (output_mix_grad.reshape(-1, m).contiguous(), input_mix.reshape(-1, m).contiguous(),
+               mhc_scale.contiguous(), mhc_base.contiguous())
+    if _eager(*tensors):
+        g, gs, gb = torch_ops.mhc_head_compute_mix_bwd_impl(*tensors, encode_config(config))
+    else:
+        g, gs, gb = torch.ops.tkjit.mhc_head_compute_mix_bwd.default(*tensors, encode_config(config))
+    return g.view(input_mix.shape), gs, gb
+
+
+def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor, mhc_mult: int,
+                        mhc_post_mult_value: float, mhc_pre_eps: float, *, config=None,
+                        bwd_config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_mixes (..., 2m + m*m) float32, mhc_scale (3,), mhc_base (2m + m*m,) float32 -> pre_layer_mix
+    (..., m, 1) = sigmoid(z[:m]) + mhc_pre_eps, post_layer_mix (..., m, 1) = sigmoid(z[m:2m]) *
+    mhc_post_mult_value, comb_res_mix (..., m, m) = z[2m:], z = input_mixes * mhc_scale[k] + mhc_base
+    (TileKernels' mhc_pre_split_mixes). Differentiable (the gradient runs mhc_pre_split_mixes_bwd)."""
+    from tkjit.autograd import mhc_pre_split_mixes_flat
+
+    w = check_pre_split_mixes("mhc_pre_split_mixes", input_mixes, mhc_scale, mhc_base, mhc_mult)
+    flat = input_mixes.reshape(-1, w).contiguous()
+    scale, base = mhc_scale.contiguous(), mhc_base.contiguous()
+    args = (mhc_mult, float(mhc_post_mult_value), float(mhc_pre_eps))
+    if _eager(flat, scale, base):
+        pre, post, comb = torch_ops.mhc_pre_split_mixes_impl(flat, scale, base, *args, encode_config(config))
+    else:
+        pre, post, comb = mhc_pre_split_mixes_flat(flat, scale, base, *args, config, bwd_config)
+    lead, m = input_mixes.shape[:-1], mhc_mult
+    return pre.view(*lead, m, 1), post.view(*lead, m, 1), comb.view(*lead, m, m)
+
+
+def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_grad: torch.Tensor,
+                            comb_res_mix_grad: torch.Tensor, input_mixes: torch.Tensor, mhc_scale: torch.Tensor,
+                            mhc_base: torch.Tensor, mhc_mult: int, mhc_post_mult_value: float, *,
+                            config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mhc_pre_split_mixes' gradients given the three outputs' gradients (their shapes, float32):
+    (input_mixes_grad, mhc_scale_grad (3,), mhc_base_grad (2m + m*m,)), float32."""
+    fn = "mhc_pre_split_mixes_bwd"
+    w = check_pre_split_mixes(fn, input_mixes, mhc_scale, mhc_base, mhc_mult)
+    lead, m = tuple(input_mixes.shape[:-1]), mhc_mult
+    grads = []
+    for name, g, shape in (("pre_layer_mix_grad", pre_layer_mix_grad, (*lead, m, 1)),
+                           ("post_layer_mix_grad", post_layer_mix_grad, (*lead, m, 1)),
+                           ("comb_res_mix_grad", comb_res_mix_grad, (*lead, m, m))):
+        _mhc_tensor(fn, name, g, 1, torch.float32, f"of shape {shape}")
+        if tuple(g.shape) != shape:
+            raise TensorError(f"{fn}: {name} must have shape {shape}, got {tuple(g.shape)}")
+        grads.append(g.reshape(-1, shape[-2] * shape[-1]).contiguous())
+    tensors = (*grads, input_mixes.reshape(-1, w).contiguous(), mhc_scale.contiguous(), mhc_base.contiguous())
+    if _eager(*tensors):
+        g, gs, gb = torch_ops.mhc_pre_split_mixes_bwd_impl(*tensors, float(mhc_post_mult_value), encode_config(config))
+    else:
+        g, gs, gb = torch.ops.tkjit.mhc_pre_split_mixes_bwd.default(*tensors, float(mhc_post_mult_value),
+                                                                   encode_config(config))
+    return g.view(input_mixes.shape), gs, gb

@@ -1598,3 +1598,192 @@ def _(x, x_sf=None, pos_to_token=None, num_per_tokens=128, round_scale=False, co
     m = pos_to_token.shape[0] if pos_to_token is not None else x.shape[0]
     out = x.new_empty((m, x.shape[1]), dtype=torch.float8_e4m3fn)
     return out, x.new_empty(((m + num_per_tokens - 1) // num_per_tokens, x.shape[1]), dtype=torch.float32)
+
+
+# -- mhc_head_compute_mix / mhc_pre_split_mixes ------------------------------------------------------
+# torch.ops.tkjit.mhc_head_compute_mix(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None,
+#                                      bwd_config=None)                      # differentiable
+# torch.ops.tkjit.mhc_head_compute_mix_bwd(output_mix_grad, input_mix, mhc_scale, mhc_base, config=None)
+#     -> (input_mix_grad, mhc_scale_grad, mhc_base_grad)
+# torch.ops.tkjit.mhc_pre_split_mixes(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value,
+#                                     mhc_pre_eps, config=None, bwd_config=None)  # differentiable
+#     -> (pre_layer_mix, post_layer_mix, comb_res_mix)
+# torch.ops.tkjit.mhc_pre_split_mixes_bwd(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad,
+#                                         input_mixes, mhc_scale, mhc_base, mhc_post_mult_value, config=None)
+#     -> (input_mixes_grad, mhc_scale_grad, mhc_base_grad)
+# on the flattened tokens, float32: input_mix (num_tokens, mhc_mult), input_mixes (num_tokens, 2m + m*m),
+# the three outputs (num_tokens, m), (num_tokens, m), (num_tokens, m*m). The backward kernels return
+# per-block partial sums of the parameters' gradients; the ops sum them (float32, as TileKernels does).
+
+def _head_static(name, input_mix) -> dict:
+    _need(input_mix, (2,), f"{name}: input_mix")
+    return {"mhc_mult": int(input_mix.shape[1])}
+
+
+def mhc_head_compute_mix_impl(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None, bwd_config=None):
+    """sigmoid(input_mix * mhc_scale + mhc_base) + mhc_pre_eps, float32 (num_tokens, mhc_mult); its gradient
+    runs mhc_head_compute_mix_bwd (config bwd_config)."""
+    shape = {"num_tokens": max(1, int(input_mix.shape[0])), **_head_static("mhc_head_compute_mix", input_mix),
+             "mhc_pre_eps": float(mhc_pre_eps)}
+    return get("mhc_head_compute_mix", shape, arch=arch_of(input_mix), config=_config(config))(
+        input_mix, mhc_scale, mhc_base)
+
+
+mhc_head_compute_mix = torch.library.custom_op(
+    "tkjit::mhc_head_compute_mix", mutates_args=(),
+    schema="(Tensor input_mix, Tensor mhc_scale, Tensor mhc_base, float mhc_pre_eps, str? config=None, "
+           "str? bwd_config=None) -> Tensor",
+)(mhc_head_compute_mix_impl)
+
+
+def _fake_mixes_check(name, static, n, *tensors):
+    _fake_check(name, static, *tensors)
+    for t in tensors:
+        if t.dim() == 2:
+            torch._check(t.shape[0] == n, lambda: f"{name}: the tensors differ in num_tokens")
+
+
+@mhc_head_compute_mix.register_fake
+def _(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None, bwd_config=None):
+    static = {**_head_static("mhc_head_compute_mix", input_mix), "mhc_pre_eps": float(mhc_pre_eps)}
+    _fake_check("mhc_head_compute_mix", static, input_mix, mhc_scale, mhc_base)
+    return input_mix.new_empty(input_mix.shape)
+
+
+def mhc_head_compute_mix_bwd_impl(output_mix_grad, input_mix, mhc_scale, mhc_base, config=None):
+    """(input_mix_grad, mhc_scale_grad (1,), mhc_base_grad (mhc_mult,)) of mhc_head_compute_mix, float32."""
+    shape = {"num_tokens": max(1, int(input_mix.shape[0])), **_head_static("mhc_head_compute_mix_bwd", input_mix)}
+    k = get("mhc_head_compute_mix_bwd", shape, arch=arch_of(input_mix), config=_config(config))
+    grad, scale_part, base_part = k(output_mix_grad, input_mix, mhc_scale, mhc_base)
+    return grad, scale_part.sum(0), base_part.sum(0)
+
+
+mhc_head_compute_mix_bwd = torch.library.custom_op(
+    "tkjit::mhc_head_compute_mix_bwd", mutates_args=(),
+    schema="(Tensor output_mix_grad, Tensor input_mix, Tensor mhc_scale, Tensor mhc_base, str? config=None) "
+           "-> (Tensor, Tensor, Tensor)",
+)(mhc_head_compute_mix_bwd_impl)
+
+
+@mhc_head_compute_mix_bwd.register_fake
+def _(output_mix_grad, input_mix, mhc_scale, mhc_base, config=None):
+    _need(output_mix_grad, (2,), "mhc_head_compute_mix_bwd: output_mix_grad")
+    static = _head_static("mhc_head_compute_mix_bwd", input_mix)
+    _fake_mixes_check("mhc_head_compute_mix_bwd", static, input_mix.shape[0], output_mix_grad, input_mix, mhc_scale,
+                      mhc_base)
+    return (input_mix.new_empty(input_mix.shape), mhc_scale.new_empty(mhc_scale.shape),
+            mhc_base.new_empty(mhc_base.shape))
+
+
+def _split_static(name, input_mixes, mhc_mult) -> dict:
+    _need(input_mixes, (2,), f"{name}: input_mixes")
+    m = int(mhc_mult)
+    if input_mixes.shape[1] != 2 * m + m * m:
+        raise TensorError(f"{name}: input_mixes must have 2 * mhc_mult + mhc_mult**2 = {2 * m + m * m} columns "
+                          f"(mhc_mult={m}), got shape {tuple(input_mixes.shape)}")
+    return {"mhc_mult": m}
+
+
+def mhc_pre_split_mixes_impl(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value, mhc_pre_eps,
+                             config=None, bwd_config=None):
+    """(pre_layer_mix, post_layer_mix, comb_res_mix) float32 of input_mixes (num_tokens, 2m + m*m); its
+    gradient runs mhc_pre_split_mixes_bwd (config bwd_config)."""
+    shape = {"num_tokens": max(1, int(input_mixes.shape[0])),
+             **_split_static("mhc_pre_split_mixes", input_mixes, mhc_mult),
+             "mhc_post_mult_value": float(mhc_post_mult_value), "mhc_pre_eps": float(mhc_pre_eps)}
+    return get("mhc_pre_split_mixes", shape, arch=arch_of(input_mixes), config=_config(config))(
+        input_mixes, mhc_scale, mhc_base)
+
+
+mhc_pre_split_mixes = torch.library.custom_op(
+    "tkjit::mhc_pre_split_mixes", mutates_args=(),
+    schema="(Tensor input_mixes, Tensor mhc_scale, Tensor mhc_base, int mhc_mult, float mhc_post_mult_value, "
+           "float mhc_pre_eps, str? config=None, str? bwd_config=None) -> (Tensor, Tensor, Tensor)",
+)(mhc_pre_split_mixes_impl)
+
+
+@mhc_pre_split_mixes.register_fake
+def _(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value, mhc_pre_eps, config=None, bwd_config=None):
+    static = {**_split_static("mhc_pre_split_mixes", input_mixes, mhc_mult),
+              "mhc_post_mult_value": float(mhc_post_mult_value), "mhc_pre_eps": float(mhc_pre_eps)}
+    _fake_check("mhc_pre_split_mixes", static, input_mixes, mhc_scale, mhc_base)
+    n, m = input_mixes.shape[0], int(mhc_mult)
+    return input_mixes.new_empty((n, m)), input_mixes.new_empty((n, m)), input_mixes.new_empty((n, m * m))
+
+
+def mhc_pre_split_mixes_bwd_impl(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, mhc_scale,
+                                 mhc_base, mhc_post_mult_value, config=None):
+    """(input_mixes_grad, mhc_scale_grad (3,), mhc_base_grad (2m + m*m,)) of mhc_pre_split_mixes, float32."""
+    _need(pre_layer_mix_grad, (2,), "mhc_pre_split_mixes_bwd: pre_layer_mix_grad")
+    static = _split_static("mhc_pre_split_mixes_bwd", input_mixes, pre_layer_mix_grad.shape[1])
+    shape = {"num_tokens": max(1, int(input_mixes.shape[0])), **static,
+             "mhc_post_mult_value": float(mhc_post_mult_value)}
+    k = get("mhc_pre_split_mixes_bwd", shape, arch=arch_of(input_mixes), config=_config(config))
+    grad, scale_part, base_part = k(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes,
+                                    mhc_scale, mhc_base)
+    return grad, scale_part.sum(0), base_part.sum(0)
+
+
+mhc_pre_split_mixes_bwd = torch.library.custom_op(
+    "tkjit::mhc_pre_split_mixes_bwd", mutates_args=(),
+    schema="(Tensor pre_layer_mix_grad, Tensor post_layer_mix_grad, Tensor comb_res_mix_grad, Tensor input_mixes, "
+           "Tensor mhc_scale, Tensor mhc_base, float mhc_post_mult_value, str? config=None) "
+           "-> (Tensor, Tensor, Tensor)",
+)(mhc_pre_split_mixes_bwd_impl)
+
+
+@mhc_pre_split_mixes_bwd.register_fake
+def _(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, mhc_scale, mhc_base,
+      mhc_post_mult_value, config=None):
+    name = "mhc_pre_split_mixes_bwd"
+    _need(pre_layer_mix_grad, (2,), f"{name}: pre_layer_mix_grad")
+    _need(post_layer_mix_grad, (2,), f"{name}: post_layer_mix_grad")
+    _need(comb_res_mix_grad, (2,), f"{name}: comb_res_mix_grad")
+    static = {**_split_static(name, input_mixes, int(pre_layer_mix_grad.shape[1])),
+              "mhc_post_mult_value": float(mhc_post_mult_value)}
+    _fake_mixes_check(name, static, input_mixes.shape[0], pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad,
+                      input_mixes, mhc_scale, mhc_base)
+    return input_mixes.new_empty(input_mixes.shape), mhc_scale.new_empty(mhc_scale.shape), \
+        mhc_base.new_empty(mhc_base.shape)
+
+
+def _head_compute_mix_setup_context(ctx, inputs, output):
+    input_mix, mhc_scale, mhc_base, _, _, bwd_config = inputs
+    ctx.save_for_backward(input_mix, mhc_scale, mhc_base)
+    ctx.bwd_config = bwd_config
+
+
+def _head_compute_mix_backward(ctx, grad):
+    grads = torch.ops.tkjit.mhc_head_compute_mix_bwd.default(grad.float().contiguous(), *ctx.saved_tensors,
+                                                             ctx.bwd_config)
+    return (*grads, None, None, None)
+
+
+def _pre_split_mixes_setup_context(ctx, inputs, output):
+    input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value, _, _, bwd_config = inputs
+    ctx.save_for_backward(input_mixes, mhc_scale, mhc_base)
+    ctx.args = (int(mhc_mult), float(mhc_post_mult_value), bwd_config)
+
+
+def split_mix_grads(grads, input_mixes, mhc_mult):
+    """The three output gradients as the backward kernel takes them: float32, contiguous, zeros for None."""
+    n, m = input_mixes.shape[0], mhc_mult
+    shapes = ((n, m), (n, m), (n, m * m))
+    return tuple(input_mixes.new_zeros(s) if g is None else g.float().reshape(s).contiguous()
+                 for g, s in zip(grads, shapes))
+
+
+def _pre_split_mixes_backward(ctx, pre_grad, post_grad, comb_grad):
+    input_mixes, mhc_scale, mhc_base = ctx.saved_tensors
+    m, mult, bwd_config = ctx.args
+    gs = split_mix_grads((pre_grad, post_grad, comb_grad), input_mixes, m)
+    grads = torch.ops.tkjit.mhc_pre_split_mixes_bwd.default(*gs, input_mixes, mhc_scale, mhc_base, mult, bwd_config)
+    return (*grads, None, None, None, None, None)
+
+
+mhc_head_compute_mix.register_autograd(_head_compute_mix_backward, setup_context=_head_compute_mix_setup_context)
+mhc_pre_split_mixes.register_autograd(_pre_split_mixes_backward, setup_context=_pre_split_mixes_setup_context)
+mhc_head_compute_mix_bwd.register_autograd(_no_double_backward_of("mhc_head_compute_mix"),
+                                           setup_context=lambda ctx, inputs, output: None)
+mhc_pre_split_mixes_bwd.register_autograd(_no_double_backward_of("mhc_pre_split_mixes"),
+                                          setup_context=lambda ctx, inputs, output: None)

@@ -969,3 +969,108 @@ SHAPES["per_channel_cast_fused"] = [
     {"num_tokens": 16384, "num_tokens_out": 24576, "hidden": h, "has_pos": True, **fp8}
     for h in (7168, 4096) for fp8 in ({}, {"in_dtype": "float8_e4m3fn", "has_x_sf": True})
 ]
+
+
+# -- mhc_head_compute_mix / mhc_pre_split_mixes ------------------------------------------------------
+# The backward rows time the kernels alone (tkjit's and TileKernels' both leave per-block partials of the
+# parameters' gradients, which their ops then sum with torch).
+
+def _head_mix_torch(shape):
+    eps = shape.get("mhc_pre_eps", 1e-2)
+    return lambda x, scale, base: torch.sigmoid(x * scale + base) + eps
+
+
+def _head_mix_bwd_torch(shape):
+    def f(go, x, scale, base):
+        s = torch.sigmoid(x * scale + base)
+        g = go * s * (1 - s)
+        return g * scale, (g * x).sum().view(1), g.sum(0)
+
+    return f
+
+
+def _split_mix_torch(shape):
+    m, mult, eps = shape["mhc_mult"], shape.get("mhc_post_mult_value", 2.0), shape.get("mhc_pre_eps", 1e-2)
+
+    def f(x, scale, base):
+        s = torch.cat([scale[0].expand(m), scale[1].expand(m), scale[2].expand(m * m)])
+        z = x * s + base
+        return z[:, :m].sigmoid() + eps, z[:, m:2 * m].sigmoid() * mult, z[:, 2 * m:]
+
+    return f
+
+
+def _split_mix_bwd_torch(shape):
+    m, mult = shape["mhc_mult"], shape.get("mhc_post_mult_value", 2.0)
+
+    def f(gp, gq, gc, x, scale, base):
+        s = torch.cat([scale[0].expand(m), scale[1].expand(m), scale[2].expand(m * m)])
+        sg = torch.sigmoid(x[:, :2 * m] * s[:2 * m] + base[:2 * m])
+        g = torch.cat([gp * sg[:, :m] * (1 - sg[:, :m]), gq * mult * sg[:, m:] * (1 - sg[:, m:]), gc], -1)
+        gx = g * x
+        return g * s, torch.stack([gx[:, :m].sum(), gx[:, m:2 * m].sum(), gx[:, 2 * m:].sum()]), g.sum(0)
+
+    return f
+
+
+def _head_mix_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.mhc.head_compute_mix_kernel import _mhc_head_compute_mix_fwd
+
+    x, scale, base = inputs
+    kernel = _mhc_head_compute_mix_fwd(shape["mhc_mult"], shape.get("mhc_pre_eps", 1e-2), token_block_size=32)
+    out = torch.empty_like(x)
+    return lambda: kernel(x, scale, base, out)
+
+
+def _head_mix_bwd_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.config import get_num_sms
+    from tile_kernels.mhc.head_compute_mix_kernel import _mhc_head_compute_mix_bwd
+
+    go, x, scale, base = inputs
+    sms = get_num_sms()
+    kernel = _mhc_head_compute_mix_bwd(shape["mhc_mult"], token_block_size=32, num_sms=sms)
+    gx, sp, bp = torch.empty_like(x), x.new_empty(sms, 1), x.new_empty(sms, shape["mhc_mult"])
+    return lambda: kernel(go, x, scale, base, gx, sp, bp)
+
+
+def _split_mix_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.mhc.pre_split_mixes_kernel import _mhc_pre_split_mixes_fwd
+
+    x, scale, base = inputs
+    m, n = shape["mhc_mult"], x.shape[0]
+    kernel = _mhc_pre_split_mixes_fwd(m, shape.get("mhc_post_mult_value", 2.0), shape.get("mhc_pre_eps", 1e-2),
+                                      token_block_size=32)
+    outs = (x.new_empty(n, m), x.new_empty(n, m), x.new_empty(n, m * m))
+    return lambda: kernel(x, scale, base, *outs)
+
+
+def _split_mix_bwd_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.config import get_num_sms
+    from tile_kernels.mhc.pre_split_mixes_kernel import _mhc_pre_split_mixes_bwd
+
+    gp, gq, gc, x, scale, base = inputs
+    m, mult, sms = shape["mhc_mult"], shape.get("mhc_post_mult_value", 2.0), get_num_sms()
+    kernel = _mhc_pre_split_mixes_bwd(m, mult, token_block_size=32, num_sms=sms)
+    z = x * torch.cat([scale[0].expand(m), scale[1].expand(m), scale[2].expand(m * m)]) + base
+    post = z[:, m:2 * m].sigmoid().mul(mult).contiguous()  # its saved forward output
+    outs = (torch.empty_like(x), x.new_empty(sms, 3), x.new_empty(sms, x.shape[1]))
+    return lambda: kernel(gp, gq, gc, x, post, scale, base, *outs)
+
+
+TORCH.update({"mhc_head_compute_mix": _head_mix_torch, "mhc_head_compute_mix_bwd": _head_mix_bwd_torch,
+              "mhc_pre_split_mixes": _split_mix_torch, "mhc_pre_split_mixes_bwd": _split_mix_bwd_torch})
+TILE_KERNELS.update({"mhc_head_compute_mix": _head_mix_tk, "mhc_head_compute_mix_bwd": _head_mix_bwd_tk,
+                     "mhc_pre_split_mixes": _split_mix_tk, "mhc_pre_split_mixes_bwd": _split_mix_bwd_tk})
+# TileKernels' tests: n0 * n1 = 1024 .. 8192 tokens, mhc_mult 4 (and 2, 8 in tkjit's GPU tests).
+_MIXES_SHAPES = [{"num_tokens": t, "mhc_mult": 4} for t in (1024, 2048, 4096, 8192)] + [
+    {"num_tokens": 4096, "mhc_mult": 8}]
+SHAPES.update({name: list(_MIXES_SHAPES) for name in ("mhc_head_compute_mix", "mhc_head_compute_mix_bwd",
+                                                      "mhc_pre_split_mixes", "mhc_pre_split_mixes_bwd")})

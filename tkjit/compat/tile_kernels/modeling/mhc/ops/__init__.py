@@ -1,7 +1,9 @@
 """TileKernels' `modeling.mhc.ops`: the mHC ops. tkjit serves `sinkhorn_normalize` (its sinkhorn_fwd /
 sinkhorn_bwd kernels), `expand_to_mhc` (expand_to_mhc / expand_to_mhc_bwd), `mhc_pre_apply_mix`
-(pre_apply_mix / pre_apply_mix_bwd[_acc]) and `mhc_post`, `mhc_post_fwd`, `mhc_post_bwd` (its mhc_post_fwd /
-mhc_post_bwd kernels); the others raise NotImplementedError naming them."""
+(pre_apply_mix / pre_apply_mix_bwd[_acc]), `mhc_post`, `mhc_post_fwd`, `mhc_post_bwd` (its mhc_post_fwd /
+mhc_post_bwd kernels), `mhc_head_compute_mix` (mhc_head_compute_mix / mhc_head_compute_mix_bwd) and
+`mhc_pre_split_mixes` (mhc_pre_split_mixes / mhc_pre_split_mixes_bwd); the others raise NotImplementedError
+naming them."""
 
 from __future__ import annotations
 
@@ -62,7 +64,19 @@ def mhc_head_compute_mix(
     mhc_base: torch.Tensor,
     mhc_pre_eps: float,
 ) -> torch.Tensor:
-    raise missing("modeling.mhc.ops.mhc_head_compute_mix", FAMILY)
+    """Differentiable mHC head mix: input_mix (n0, n1, mhc_mult) float32, mhc_scale (1,), mhc_base (mhc_mult,)
+    float32 -> sigmoid(input_mix * mhc_scale + mhc_base) + mhc_pre_eps, a new float32 tensor of input_mix's
+    shape. Gradients for input_mix, mhc_scale and mhc_base (TileKernels' MHCHeadComputeMix); the parameters'
+    are sums over the tokens in an order of tkjit's (per-block partials summed in float32, as TileKernels'),
+    within float32 rounding of TileKernels'."""
+    fn = "modeling.mhc.ops.mhc_head_compute_mix"
+    tensor(fn, "input_mix", input_mix, (3,))
+    eps = as_float(fn, "mhc_pre_eps", mhc_pre_eps)
+    m = ops.check_head_compute_mix(f"tile_kernels.{fn}", input_mix, mhc_scale, mhc_base)
+    require_kernel(fn, FAMILY, "mhc_head_compute_mix", {"mhc_mult": m, "mhc_pre_eps": eps},
+                   {"mhc_mult": "mhc_mult (input_mix.shape[-1])", "mhc_pre_eps": "mhc_pre_eps"},
+                   {"num_tokens": max(1, input_mix.shape[0] * input_mix.shape[1])})
+    return ops.mhc_head_compute_mix(input_mix, mhc_scale, mhc_base, eps)
 
 
 def mhc_multilayer_recompute(
@@ -245,4 +259,21 @@ def mhc_pre_split_mixes(
     mhc_post_mult_value: float,
     mhc_pre_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    raise missing("modeling.mhc.ops.mhc_pre_split_mixes", FAMILY)
+    """Differentiable mHC pre split: input_mixes (n0, n1, 2m + m*m) float32, mhc_scale (3,), mhc_base
+    (2m + m*m,) float32, m = mhc_mult -> pre_layer_mix (n0, n1, m, 1) = sigmoid(z[..., :m]) + mhc_pre_eps,
+    post_layer_mix (n0, n1, m, 1) = sigmoid(z[..., m:2m]) * mhc_post_mult_value, comb_res_mix (n0, n1, m, m)
+    = z[..., 2m:], z = input_mixes * mhc_scale[k] + mhc_base (k = 0, 1, 2 by column range), float32.
+    Gradients for input_mixes, mhc_scale and mhc_base (TileKernels' MHCPreSplitMixes); tkjit's backward
+    recomputes the post sigmoid from input_mixes (TileKernels divides the saved output by the multiplier),
+    and sums the parameters' gradients in an order of its own: within float32 rounding of TileKernels'."""
+    fn = "modeling.mhc.ops.mhc_pre_split_mixes"
+    mhc_mult = as_int(fn, "mhc_mult", mhc_mult)
+    mult = as_float(fn, "mhc_post_mult_value", mhc_post_mult_value)
+    eps = as_float(fn, "mhc_pre_eps", mhc_pre_eps)
+    tensor(fn, "input_mixes", input_mixes, (3,))
+    ops.check_pre_split_mixes(f"tile_kernels.{fn}", input_mixes, mhc_scale, mhc_base, mhc_mult)
+    require_kernel(fn, FAMILY, "mhc_pre_split_mixes",
+                   {"mhc_mult": mhc_mult, "mhc_post_mult_value": mult, "mhc_pre_eps": eps},
+                   {"mhc_mult": "mhc_mult", "mhc_post_mult_value": "mhc_post_mult_value", "mhc_pre_eps": "mhc_pre_eps"},
+                   {"num_tokens": max(1, input_mixes.shape[0] * input_mixes.shape[1])})
+    return ops.mhc_pre_split_mixes(input_mixes, mhc_scale, mhc_base, mhc_mult, mult, eps)
