@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from tkjit import torch_ops  # importing it registers torch.ops.tkjit.*
-from tkjit.autograd import SinkhornFunction, plain
-from tkjit.errors import ShapeError
+from tkjit.autograd import ExpandToMhcFunction, PreApplyMixFunction, SinkhornFunction, plain
+from tkjit.errors import ShapeError, TensorError
 from tkjit.scales import pack_ue8m0
 from tkjit.torch_ops import encode_config
 
@@ -371,9 +371,6 @@ def per_channel_cast_and_transpose(x: torch.Tensor, num_per_tokens: int = 128, *
 
 
 # -- expand_to_mhc / mhc_pre_apply_mix ----------------------------------------------------------------
-
-from tkjit.autograd import ExpandToMhcFunction, PreApplyMixFunction  # noqa: E402
-from tkjit.errors import TensorError  # noqa: E402
 
 
 def _mhc_tensor(fn: str, name: str, t, ndim: int, dtype: torch.dtype, what: str) -> None:
