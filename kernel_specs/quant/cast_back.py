@@ -84,28 +84,34 @@ def sf_rows_of(num_tokens: int, block_tokens: int) -> int:
     return -(-num_tokens // block_tokens)
 
 
-def constraint(shape, c):
-    h, bc, vec = shape["hidden"], shape["block_channels"], c["vec"]
+def chunk_problem(shape, vec: int) -> str | None:
+    """Why a chunk of vec channels cannot serve this shape (the rule of every dequantising kernel here)."""
+    h, bc = shape["hidden"], shape["block_channels"]
     if h % vec:
         return f"hidden={h} is not a multiple of vec={vec}"
     if bc % vec and vec % bc:
         return f"block_channels={bc} and vec={vec}: a chunk must lie in one group or hold whole groups"
-    if vec * in_bytes(shape) > 16:
-        return f"a chunk's input is at most one 16-byte load ({vec} {shape['in_fmt']} values are more)"
     return None
 
 
-def _valid(shape):
-    keys = list(SPACE)
-    combos = (dict(zip(keys, vals)) for vals in itertools.product(*SPACE.values()))
-    return [c for c in combos if constraint(shape, c) is None]
+def constraint(shape, c):
+    problem = chunk_problem(shape, c["vec"])
+    if problem is None and c["vec"] * in_bytes(shape) > 16:
+        problem = f"a chunk's input is at most one 16-byte load ({c['vec']} {shape['in_fmt']} values are more)"
+    return problem
 
 
-def check_shape(shape):
-    h, bt, bc = shape["hidden"], shape["block_tokens"], shape["block_channels"]
-    if h % 16:
-        return f"hidden={h} must be a multiple of 16 (vector loads and stores)"
-    if not _valid(shape):
+def any_valid(shape, space, constraint) -> bool:
+    """Whether some config of `space` passes `constraint` at this shape."""
+    keys = list(space)
+    return any(constraint(shape, dict(zip(keys, vals))) is None for vals in itertools.product(*space.values()))
+
+
+def check_blocks(shape, space, constraint) -> str | None:
+    """The checks a dequantising spec's shape shares: a chunk width for the groups, and num_sf_rows equal to
+    ceil(num_tokens / block_tokens)."""
+    bt, bc = shape["block_tokens"], shape["block_channels"]
+    if not any_valid(shape, space, constraint):
         return f"block_channels={bc} must be a multiple of 8 or divide 8 (groups whole in 8-channel chunks)"
     if "num_tokens" in shape and "num_sf_rows" in shape:
         want = sf_rows_of(shape["num_tokens"], bt)
@@ -113,6 +119,12 @@ def check_shape(shape):
             return (f"num_sf_rows={shape['num_sf_rows']} must be ceil(num_tokens / block_tokens) = "
                     f"ceil({shape['num_tokens']} / {bt}) = {want}")
     return None
+
+
+def check_shape(shape):
+    if shape["hidden"] % 16:
+        return f"hidden={shape['hidden']} must be a multiple of 16 (vector loads and stores)"
+    return check_blocks(shape, SPACE, constraint)
 
 
 def check_shape_rowmajor(shape):
@@ -125,11 +137,14 @@ def default(shape):
     # 16-byte input loads where the groups allow (e4m3: 16 channels, e2m1: 32), else the widest valid chunk.
     # Four chunks per thread once there are enough chunks to fill the GPU several times over: more bytes in
     # flight per thread for the large (memory-bound) sizes, more blocks for the small ones.
-    vecs = [v for v in sorted(SPACE["vec"], reverse=True) if constraint(shape, {"vec": v}) is None]
-    vec = vecs[0]
+    vec = next(v for v in sorted(SPACE["vec"], reverse=True) if constraint(shape, {"vec": v}) is None)
+    return {"vec": vec, "threads": 256, "iters": iters_of(shape, vec)}
+
+
+def iters_of(shape, vec: int) -> int:
+    """Chunks per thread of the defaults: 4 once the chunks fill the GPU several times over, else 1."""
     chunks = shape.get("num_tokens", 1) * shape["hidden"] // vec
-    iters = 4 if chunks >= NUM_SMS * 256 * 16 else 1
-    return {"vec": vec, "threads": 256, "iters": iters}
+    return 4 if chunks >= NUM_SMS * 256 * 16 else 1
 
 
 def x_align(shape, c):

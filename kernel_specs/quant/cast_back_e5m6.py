@@ -16,7 +16,6 @@ store). A chunk of vec channels is 3 * vec / 8 words, loaded as three vec / 8-wo
 bytes), decoded eight values at a time, and stored as 16-byte vectors.
 """
 
-import itertools
 
 import torch
 
@@ -38,32 +37,13 @@ def x_width(shape) -> int:
 
 
 def constraint(shape, c):
-    h, bc, vec = shape["hidden"], shape["block_channels"], c["vec"]
-    if h % vec:
-        return f"hidden={h} is not a multiple of vec={vec}"
-    if bc % vec and vec % bc:
-        return f"block_channels={bc} and vec={vec}: a chunk must lie in one group or hold whole groups"
-    return None
-
-
-def _valid(shape):
-    keys = list(SPACE)
-    combos = (dict(zip(keys, vals)) for vals in itertools.product(*SPACE.values()))
-    return [c for c in combos if constraint(shape, c) is None]
+    return cb.chunk_problem(shape, c["vec"])
 
 
 def check_shape(shape):
-    h, bt, bc = shape["hidden"], shape["block_tokens"], shape["block_channels"]
-    if h % 8:
-        return f"hidden={h} must be a multiple of 8 (eight e5m6 values fill three 32-bit words)"
-    if not _valid(shape):
-        return f"block_channels={bc} must be a multiple of 8 or divide 8 (groups whole in 8-channel chunks)"
-    if "num_tokens" in shape and "num_sf_rows" in shape:
-        want = cb.sf_rows_of(shape["num_tokens"], bt)
-        if shape["num_sf_rows"] != want:
-            return (f"num_sf_rows={shape['num_sf_rows']} must be ceil(num_tokens / block_tokens) = "
-                    f"ceil({shape['num_tokens']} / {bt}) = {want}")
-    return None
+    if shape["hidden"] % 8:
+        return f"hidden={shape['hidden']} must be a multiple of 8 (eight e5m6 values fill three 32-bit words)"
+    return cb.check_blocks(shape, SPACE, constraint)
 
 
 def check_shape_rowmajor(shape):
@@ -76,9 +56,7 @@ def default(shape):
     # The widest chunk the groups allow (32 channels: three 16-byte loads); four chunks per thread once there
     # are enough to fill the GPU several times over (cast_back's rule).
     vec = next(v for v in sorted(SPACE["vec"], reverse=True) if constraint(shape, {"vec": v}) is None)
-    chunks = shape.get("num_tokens", 1) * shape["hidden"] // vec
-    iters = 4 if chunks >= cb.NUM_SMS * 256 * 16 else 1
-    return {"vec": vec, "threads": 256, "iters": iters}
+    return {"vec": vec, "threads": 256, "iters": cb.iters_of(shape, vec)}
 
 
 def x_align(shape, c):
