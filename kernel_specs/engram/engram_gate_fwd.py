@@ -36,8 +36,7 @@ from tkjit_kernels.engram._gate import (
     weight_arg,
     widest_vec,
 )
-
-UNROLL_STEPS = 8  # more chunks per thread than this run as a loop
+from tkjit_kernels.mhc._post import UNROLL_STEPS, idle_threads_problem, row_threads
 
 
 def default(shape):
@@ -47,19 +46,14 @@ def default(shape):
     h = shape["hidden_size"]
     vec = widest_vec(h)
     cpr = h // vec
-    threads = next((t for t in (64, 128, 256) if cpr <= t * UNROLL_STEPS), 512)
-    while threads > 32 and cpr < threads // 2:
-        threads //= 2
-    return {"block_tokens": 1, "vec": vec, "threads": threads}
+    return {"block_tokens": 1, "vec": vec, "threads": row_threads(cpr)}
 
 
 def constraint(shape, c):
     problem = vec_constraint(shape, c)
     if problem:
         return problem
-    if c["threads"] > 32 and shape["hidden_size"] // c["vec"] < c["threads"] // 2:
-        return "fewer chunks per row than half the block's threads: use fewer threads"
-    return None
+    return idle_threads_problem(shape["hidden_size"] // c["vec"], c["threads"])
 
 
 def build(shape, c):

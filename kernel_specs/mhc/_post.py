@@ -82,6 +82,25 @@ def comb_arg(name):
     return TensorArg(name, "float32", ("num_tokens", "mhc", "mhc"), align=4)
 
 
+UNROLL_STEPS = 8  # more chunks per thread than this run as a loop
+
+
+def row_threads(chunks: int) -> int:
+    """Threads of a block that reduces one token's row of `chunks` vector chunks: the fewest that keep each
+    thread within UNROLL_STEPS chunks (at most 512), then halved while half of them would idle."""
+    threads = next((t for t in (64, 128, 256) if chunks <= t * UNROLL_STEPS), 512)
+    while threads > 32 and chunks < threads // 2:
+        threads //= 2
+    return threads
+
+
+def idle_threads_problem(chunks: int, threads: int) -> str | None:
+    """The constraint row_threads keeps: no more than twice as many threads as a row has chunks."""
+    if threads > 32 and chunks < threads // 2:
+        return "fewer chunks per row than half the block's threads: use fewer threads"
+    return None
+
+
 def widest_vec(hidden: int, most: int = 8) -> int:
     return next(v for v in sorted(VECS, reverse=True) if v <= most and hidden % v == 0)
 

@@ -22,6 +22,7 @@ from tkjit.spec import KernelSpec
 from tkjit_kernels.mhc._post import (
     COMMON,
     NUM_SMS,
+    UNROLL_STEPS,
     comb_arg,
     forward,
     mix_bytes,
@@ -33,8 +34,6 @@ from tkjit_kernels.mhc._post import (
     widest_vec,
     x_arg,
 )
-
-UNROLL_STEPS = 8  # more chunks per thread than this run as a loop
 
 
 def default(shape):

@@ -27,18 +27,19 @@ from tkjit.registry import register
 from tkjit.spec import KernelSpec
 from tkjit_kernels.mhc._post import (
     COMMON,
+    UNROLL_STEPS,
     comb_arg,
+    idle_threads_problem,
     mix_bytes,
     post_arg,
     random_inputs,
     row_bytes,
+    row_threads,
     rows_arg,
     vec_constraint,
     widest_vec,
     x_arg,
 )
-
-UNROLL_STEPS = 8  # more chunks per thread than this run as a loop
 
 
 def default(shape):
@@ -49,19 +50,14 @@ def default(shape):
     m, h = shape["mhc"], shape["hidden"]
     vec = widest_vec(h, 8 if m <= 4 else 4)
     cpr = h // vec
-    threads = next((t for t in (64, 128, 256) if cpr <= t * UNROLL_STEPS), 512)
-    while threads > 32 and cpr < threads // 2:
-        threads //= 2
-    return {"block_tokens": 1, "vec": vec, "threads": threads}
+    return {"block_tokens": 1, "vec": vec, "threads": row_threads(cpr)}
 
 
 def constraint(shape, c):
     problem = vec_constraint(shape, c)
     if problem:
         return problem
-    if c["threads"] > 32 and shape["hidden"] // c["vec"] < c["threads"] // 2:
-        return "fewer chunks per token than half the block's threads: use fewer threads"
-    return None
+    return idle_threads_problem(shape["hidden"] // c["vec"], c["threads"])
 
 
 def build(shape, c):
