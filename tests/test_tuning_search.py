@@ -183,6 +183,28 @@ def test_two_workers_share_a_study(spec, tmp_path):
     assert config_id(r.config) == min(allowed, key=lambda c: ev._time(json.loads(c)))
 
 
+def test_a_worker_reading_a_trial_mid_ask_leaves_it_running(spec, tmp_path, monkeypatch):
+    """Regression: a second tuner of the same process that loads the study while the first is between
+    ask() and setting its trial's owner took that trial for one left by a killed run and failed it; the
+    first then raised UpdateFinishedTrialError."""
+    storage = f"journal:{tmp_path}/shared.log"
+    real = optuna.trial.Trial.set_user_attr
+    second: list = []
+
+    def set_user_attr(self, key, value):
+        if key == "owner" and not second:
+            second.append(None)  # once: the second tuner's own asks go straight through
+            second[0] = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G",
+                             evaluator=TableEvaluator(table_for(spec)), storage=storage)
+        return real(self, key, value)
+
+    monkeypatch.setattr(optuna.trial.Trial, "set_user_attr", set_user_attr)
+    ev = TableEvaluator(table_for(spec))
+    first = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage)
+    n = len(spec.configs({"num_tokens": 4096}, "sm_90a"))
+    assert first.trials == n and second[0].trials <= n
+
+
 def test_trials_left_running_by_a_failed_run_are_retried(spec, tmp_path):
     storage = f"journal:{tmp_path}/j.log"
 

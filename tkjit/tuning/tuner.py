@@ -536,7 +536,9 @@ class _Study:
             elif t.state == TrialState.RUNNING and t.user_attrs.get("owner") != self.owner:
                 # No heartbeat (a journal): a dead process of this host is found by its pid.
                 pid = t.user_attrs.get("pid")
-                mine_dead = pid == os.getpid() and t.user_attrs.get("owner") not in _LIVE_OWNERS
+                owner = t.user_attrs.get("owner")
+                # No owner yet: a tuner of this process is between ask() and its attributes.
+                mine_dead = pid == os.getpid() and owner is not None and owner not in _LIVE_OWNERS
                 if t.user_attrs.get("host") != self.host or not isinstance(pid, int) or (
                         _pid_alive(pid) and not mine_dead):
                     self.inflight.add(cid)  # another live worker on a shared study is measuring it
@@ -562,10 +564,12 @@ class _Study:
         if self.heartbeat is not None:
             self.heartbeat.add(trial._trial_id)
         cfg = self.space.suggest(trial)
-        trial.set_user_attr("config", config_id(cfg))
+        # Owner before pid: another worker of this process reading the trial between the two must not
+        # take a trial with this pid and no live owner for one left by a killed run (see _load).
+        trial.set_user_attr("owner", self.owner)
         trial.set_user_attr("host", self.host)
         trial.set_user_attr("pid", os.getpid())
-        trial.set_user_attr("owner", self.owner)
+        trial.set_user_attr("config", config_id(cfg))
         return trial, cfg
 
     def _tell_fail(self, trial, kind: str, error: str = "") -> None:
