@@ -66,8 +66,11 @@ def _close_to(ours, want, x, v):
     out, *saved = ours
     w_out, *w_saved = want
     diff = (out.float() - w_out.float()).abs()
+    # gate agrees to float32 rounding, so out = bf16(x + gate * v) differs by at most one bf16 ulp of out
+    # (<= 2^-7 |out| <= 2^-7 (|x| + |v|)), or, where x and gate * v cancel, by far less than that.
     scale = x.float().abs() + v.float().abs().unsqueeze(1)
-    assert float((diff > 0).float().mean()) < 1e-3 and bool((diff <= scale * 2**-8).all())
+    assert float((diff > 0).float().mean()) < 1e-3
+    assert bool((diff <= scale * 2**-7).all()), float((diff / scale).max())
     for a, b in zip(saved, w_saved):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
 

@@ -3,6 +3,8 @@ against the float64 references, the default configs at TileKernels' test shapes 
 4096; mhc 2, 4, 8) and odd ones, the TileKernels package as oracle (forward and autograd at its tests'
 tolerances), gradients against float64 autograd, the ops under opcheck and torch.compile."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -90,8 +92,15 @@ def test_head_compute_mix_against_tile_kernels_and_float64(n0, n1, m):
         torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-5)  # TileKernels' test tolerances
     tk = pytest.importorskip("tile_kernels")
     oracle = _run(tk.modeling.mhc.ops.mhc_head_compute_mix, (x, scale, base), (1e-2,), (go,))
-    for a, b in zip(got, oracle):
+    names = ("output_mix", "input_mix grad", "mhc_scale grad", "mhc_base grad")
+    for name, a, b, ref in zip(names, got, oracle, want):
         assert a.dtype == b.dtype and a.shape == b.shape
+        if m == 2 and name == "mhc_scale grad" and not torch.allclose(b, ref.float(), rtol=1e-4, atol=1e-5):
+            # On the H200 (TileLang 0.1.15) TileKernels' scale gradient with 2 streams is off from float64
+            # by 3 to 14 (its v1 `alloc_reducer`); tkjit's matched float64 above. The oracle is wrong here.
+            warnings.warn(f"TileKernels' {name} at mhc_mult 2: {b.item()} against float64 {ref.item()}",
+                          stacklevel=2)
+            continue
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
