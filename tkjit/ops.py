@@ -773,3 +773,42 @@ def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_gra
         g, gs, gb = torch.ops.tkjit.mhc_pre_split_mixes_bwd.default(*tensors, float(mhc_post_mult_value),
                                                                    encode_config(config))
     return g.view(input_mixes.shape), gs, gb
+
+
+# -- swiglu_forward_and_per_token_cast ----------------------------------------------------------------
+
+def swiglu_forward_and_per_token_cast(
+    x: torch.Tensor, group: int = 128, *, pos_to_token_topk: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None, pos_to_expert: torch.Tensor | None = None,
+    swiglu_clamp_value: float | None = None, clamped_count: torch.Tensor | None = None, round_scale: bool = False,
+    col_major_scales: bool = False, packed_ue8m0: bool = False, sf_clamp_min: float | None = None, config=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (num_tokens, 2 * hidden) bf16/f32 -> silu(gate) * up, then per_token_cast's FP8 e4m3 cast with one
+    float32 scale per token and `group` channels (16, 32, 64, 128 or hidden, dividing hidden); TileKernels'
+    `swiglu_forward_and_per_token_cast`. Optional: swiglu_clamp_value (> 0) clamps gate to <= it and up to
+    [-it, it] first, and clamped_count ((3,) int64) is then added to in place; rows times
+    topk_weights.flat[pos_to_token_topk] (out-of-range positions weigh 0); pos_to_expert < 0 rows are zero rows;
+    sf_clamp_min replaces the 1e-4 amax clamp. Scales as `per_token_cast` returns them (row-major,
+    col_major_scales, packed_ue8m0)."""
+    if packed_ue8m0 and not col_major_scales:
+        raise ShapeError("swiglu_forward_and_per_token_cast: packed_ue8m0 needs col_major_scales=True (the packed "
+                         "layout is column-major)")
+    if clamped_count is not None and swiglu_clamp_value is None:
+        raise ShapeError("swiglu_forward_and_per_token_cast: clamped_count needs swiglu_clamp_value")
+    clamp = 0.0 if swiglu_clamp_value is None else float(swiglu_clamp_value)
+    if swiglu_clamp_value is not None and not clamp > 0:
+        raise ShapeError(f"swiglu_forward_and_per_token_cast: swiglu_clamp_value must be > 0, got "
+                         f"{swiglu_clamp_value!r}")
+    amin = 1e-4 if sf_clamp_min is None else float(sf_clamp_min)
+    args = (x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count, group, round_scale, col_major_scales,
+            clamp, amin, encode_config(config))
+    tensors = [t for t in args[:5] if t is not None]
+    if _eager(*tensors):
+        q, sf = torch_ops.swiglu_forward_and_per_token_cast_impl(*args)
+    else:
+        q, sf = torch.ops.tkjit.swiglu_forward_and_per_token_cast.default(*args)
+    if not col_major_scales:
+        return q, sf
+    if packed_ue8m0:
+        sf = pack_ue8m0(sf)
+    return q, sf[:, : x.shape[0]].T

@@ -1787,3 +1787,95 @@ mhc_head_compute_mix_bwd.register_autograd(_no_double_backward_of("mhc_head_comp
                                            setup_context=lambda ctx, inputs, output: None)
 mhc_pre_split_mixes_bwd.register_autograd(_no_double_backward_of("mhc_pre_split_mixes"),
                                           setup_context=lambda ctx, inputs, output: None)
+
+
+# -- swiglu_forward_and_per_token_cast ----------------------------------------------------------------
+# x (num_tokens, 2 * hidden) bf16/f32 -> SwiGLU (optional clamp, routing weights through pos_to_token_topk into
+# topk_weights, pos_to_expert < 0 rows zero) -> (fp8 e4m3 values (num_tokens, hidden), float32 scales: row-major
+# (num_tokens, hidden / group), or col_major_scales: the padded storage (hidden / group, align(num_tokens, 4))).
+# clamped_count (3,) int64, when given, is added to in place. swiglu_clamp_value 0.0: no clamp.
+
+_SWIGLU_CAST_SCHEMA = ("(Tensor x, Tensor? pos_to_token_topk=None, Tensor? topk_weights=None, "
+                       "Tensor? pos_to_expert=None, Tensor(a!)? clamped_count=None, int group=128, "
+                       "bool round_scale=False, bool col_major_scales=False, float swiglu_clamp_value=0.0, "
+                       "float sf_clamp_min=0.0001, "
+                       "str? config=None) -> (Tensor, Tensor)")
+
+
+def _swiglu_cast_static(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count, group, round_scale,
+                        swiglu_clamp_value, sf_clamp_min) -> dict:
+    """The static shape, or ShapeError/TensorError naming the argument."""
+    name = "swiglu_forward_and_per_token_cast"
+    _need(x, (2,), name)
+    if x.shape[1] % 2:
+        raise TensorError(f"{name}: x must have 2 * hidden columns (gate, then up), got {x.shape[1]}")
+    if (pos_to_token_topk is None) != (topk_weights is None):
+        raise ShapeError(f"{name}: pos_to_token_topk and topk_weights come together")
+    if pos_to_token_topk is not None:
+        _need(pos_to_token_topk, (1,), f"{name}: pos_to_token_topk")
+        _need(topk_weights, (1, 2), f"{name}: topk_weights")
+    if pos_to_expert is not None:
+        _need(pos_to_expert, (1,), f"{name}: pos_to_expert")
+    if clamped_count is not None:
+        _need(clamped_count, (1,), f"{name}: clamped_count")
+    if type(group) is not int:
+        raise ShapeError(f"{name}: group must be an int, got {group!r}")
+    return {"hidden": int(x.shape[1]) // 2, "group": group, "in_dtype": dtype_name(x.dtype),
+            "round_scale": bool(round_scale), "has_weights": pos_to_token_topk is not None,
+            "has_expert": pos_to_expert is not None, "swiglu_clamp_value": float(swiglu_clamp_value),
+            "count_clamp": clamped_count is not None, "sf_clamp_min": float(sf_clamp_min)}
+
+
+def swiglu_forward_and_per_token_cast_impl(x, pos_to_token_topk=None, topk_weights=None, pos_to_expert=None,
+                                           clamped_count=None, group=128, round_scale=False, col_major_scales=False,
+                                           swiglu_clamp_value=0.0, sf_clamp_min=1e-4, config=None):
+    """(fp8 e4m3 values (num_tokens, hidden), float32 scales: (num_tokens, hidden / group), or with
+    col_major_scales their column-major storage (hidden / group, align(num_tokens, 4)))."""
+    name = "swiglu_forward_and_per_token_cast" + ("_colmajor" if col_major_scales else "")
+    static = _swiglu_cast_static(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count, group,
+                                 round_scale, swiglu_clamp_value, sf_clamp_min)
+    args = [x]
+    nw = 1
+    if pos_to_token_topk is not None:
+        w = topk_weights.reshape(-1)
+        nw = w.shape[0]
+        if nw == 0:  # no table: every position is out of range and weighs 0 (one zero entry stands in)
+            w = topk_weights.new_zeros(1)
+        check_indices(name, "pos_to_token_topk", pos_to_token_topk, nw, lo=-(2**31))
+        args += [pos_to_token_topk, w]
+    if pos_to_expert is not None:
+        args.append(pos_to_expert)
+    counter = clamped_count if clamped_count is not None else x.new_empty(3, dtype=torch.int64)
+    args.append(counter)
+    kern = get(name, {**static, "num_tokens": max(1, x.shape[0]), "num_weights": max(1, nw)}, arch=arch_of(x),
+               config=_config(config))
+    _, q, sf = kern(*args)
+    return q, sf
+
+
+swiglu_forward_and_per_token_cast = torch.library.custom_op(
+    "tkjit::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",), schema=_SWIGLU_CAST_SCHEMA
+)(swiglu_forward_and_per_token_cast_impl)
+
+
+@swiglu_forward_and_per_token_cast.register_fake
+def _(x, pos_to_token_topk=None, topk_weights=None, pos_to_expert=None, clamped_count=None, group=128,
+      round_scale=False, col_major_scales=False, swiglu_clamp_value=0.0, sf_clamp_min=1e-4, config=None):
+    name = "swiglu_forward_and_per_token_cast" + ("_colmajor" if col_major_scales else "")
+    static = _swiglu_cast_static(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count, group,
+                                 round_scale, swiglu_clamp_value, sf_clamp_min)
+    _fake_check(name, static, x)
+    for arg, t, dtype in (("pos_to_token_topk", pos_to_token_topk, torch.int32),
+                          ("topk_weights", topk_weights, torch.float32),
+                          ("pos_to_expert", pos_to_expert, torch.int32), ("clamped_count", clamped_count, torch.int64)):
+        if t is not None and t.dtype != dtype:
+            raise TensorError(f"{name}: input {arg} has dtype {t.dtype}, expected {dtype}")
+    n, h = x.shape[0], static["hidden"]
+    for t in (pos_to_token_topk, pos_to_expert):
+        if t is not None:
+            torch._check(t.shape[0] == n, lambda: f"{name}: a routing map's length differs from x's num_tokens")
+    q = x.new_empty((n, h), dtype=torch.float8_e4m3fn)
+    groups = h // group
+    if col_major_scales:
+        return q, x.new_empty((groups, (n + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+    return q, x.new_empty((n, groups), dtype=torch.float32)

@@ -1074,3 +1074,42 @@ _MIXES_SHAPES = [{"num_tokens": t, "mhc_mult": 4} for t in (1024, 2048, 4096, 81
     {"num_tokens": 4096, "mhc_mult": 8}]
 SHAPES.update({name: list(_MIXES_SHAPES) for name in ("mhc_head_compute_mix", "mhc_head_compute_mix_bwd",
                                                       "mhc_pre_split_mixes", "mhc_pre_split_mixes_bwd")})
+
+
+# -- swiglu_forward_and_per_token_cast ------------------------------------------------------------------
+# Inputs as the spec's make_inputs gives them: x (num_tokens, 2 * hidden), then pos_to_token_topk and the flat
+# topk_weights (has_weights), pos_to_expert (has_expert), clamped_count. Odd seeds put out-of-range map entries
+# in, which TileKernels would read out of bounds: the bench draws seed 0.
+
+def _swiglu_cast_torch(shape):
+    from tkjit_kernels.quant.swiglu_forward_and_per_token_cast import reference
+
+    return lambda *inputs: reference(shape, *inputs)  # plain torch: SwiGLU in float32, then per_token_cast's cast
+
+
+def _swiglu_cast_tk(shape, inputs):
+    if _tile_kernels() is None or shape["hidden"] % 128 or shape["group"] not in (128, shape["hidden"]):
+        return None
+    from tile_kernels.quant import swiglu_forward_and_per_token_cast
+
+    x, *rest = inputs
+    pos, wts = (rest.pop(0), rest.pop(0).view(-1, 1)) if shape["has_weights"] else (None, None)
+    pe = rest.pop(0) if shape["has_expert"] else None
+    counter = rest.pop(0) if shape["count_clamp"] else None
+    clamp = shape["swiglu_clamp_value"] or None
+    return lambda: swiglu_forward_and_per_token_cast(
+        x, "e4m3", shape["group"], pos, wts, pe, round_sf=shape["round_scale"], swiglu_clamp_value=clamp,
+        clamped_count=counter, sf_clamp_min=shape["sf_clamp_min"])
+
+
+TORCH["swiglu_forward_and_per_token_cast"] = _swiglu_cast_torch
+TILE_KERNELS["swiglu_forward_and_per_token_cast"] = _swiglu_cast_tk
+# MoE expert activations: 4096 / 32768 dense tokens, and the routed layout (8192 tokens at topk 8 plus 256 experts'
+# alignment padding) with weights, pos_to_expert and the counted clamp; intermediate sizes 2048 and 4096.
+SHAPES["swiglu_forward_and_per_token_cast"] = [
+    {"num_tokens": n, "num_weights": 1, "hidden": h} for n in (4096, 32768) for h in (2048, 4096)
+] + [
+    {"num_tokens": 4096, "num_weights": 1, "hidden": 2048, "group": 2048},
+    {"num_tokens": 8192 * 8 + 256 * 16, "num_weights": 8192 * 8, "hidden": 2048, "has_weights": True,
+     "has_expert": True, "swiglu_clamp_value": 10.0, "count_clamp": True, "round_scale": True},
+]

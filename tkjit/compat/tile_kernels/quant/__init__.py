@@ -3,8 +3,9 @@ kernels; 'e5m6': its per_token_cast_e5m6 kernels) and `per_token_cast_with_sf_on
 `per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its
 per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose` and `per_channel_cast_fused`
 for fmt='e4m3' (its kernels of the same names), `cast_back` and `per_token_cast_back` (its cast_back kernels;
-x_special_fmt='e5m6': its cast_back_e5m6 kernels) and `unpack_from_e2m1fn_x2` (torch); every other function
-or option raises NotImplementedError naming it.
+x_special_fmt='e5m6': its cast_back_e5m6 kernels), `swiglu_forward_and_per_token_cast` (fmt 'e4m3', every
+option; its kernels of the same name) and `unpack_from_e2m1fn_x2` (torch); every other function or option raises
+NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
     values  (num_tokens, hidden) torch.float8_e4m3fn, contiguous
@@ -63,6 +64,15 @@ hidden / 128) row-major contiguous) with num_per_channels=128, dequantised on th
 times the quantisation factor: two roundings, as TileKernels). Without pos_to_token num_tokens is a multiple of
 num_per_tokens; num_per_tokens 32 or 128 (TileKernels: 128), hidden a multiple of 16 (128 with FP8 input).
 Column-major or packed UE8M0 input scales are refused, as TileKernels' kernel refuses them.
+
+swiglu_forward_and_per_token_cast(x, 'e4m3', num_per_channels, ...) takes x (num_tokens, 2 * hidden) bf16/f32
+contiguous, hidden a multiple of 128, num_per_channels 128 or hidden (TileKernels' asserts), and returns
+per_token_cast's (values, scales) of silu(gate) * up in TileKernels' reference's float32 order: gate clamped to
+<= swiglu_clamp_value and up to [-it, it] first (a finite value > 0; others raise NotImplementedError), each row
+times topk_weights.flat[pos_to_token_topk[row]] (a negative or out-of-range position weighs 0, as TileKernels'
+reference for -1), rows with pos_to_expert < 0 given as zero rows (TileKernels' kernel leaves them unwritten),
+clamped_count ((3,) int64) added to in place (gate > clamp, up > clamp, up < -clamp, over the rows read), the
+amax clamped to sf_clamp_min (1e-4 by default; at least 448 * 2^-126).
 """
 
 from __future__ import annotations
@@ -70,7 +80,7 @@ from __future__ import annotations
 import torch
 
 from tkjit import ops
-from tkjit.compat.tile_kernels._support import as_int, missing, require_kernel, rows_aligned, tensor
+from tkjit.compat.tile_kernels._support import as_float, as_int, missing, require_kernel, rows_aligned, tensor
 from tkjit.compat.tile_kernels.quant.types import QuantTensor
 from tkjit.errors import ShapeError, TensorError
 
@@ -319,7 +329,68 @@ def swiglu_forward_and_per_token_cast(
     clamped_count: torch.Tensor | None = None,
     sf_clamp_min: float | None = None,
 ) -> QuantTensor:
-    raise missing("quant.swiglu_forward_and_per_token_cast", FAMILY)
+    """silu(x[:, :hidden]) * x[:, hidden:] (optionally clamped first, times routing weights), cast to FP8 e4m3 with
+    one float32 scale per token and num_per_channels channels: (values, scales), laid out as per_token_cast's."""
+    fn = "quant.swiglu_forward_and_per_token_cast"
+    tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
+    if not x.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: x must be contiguous, got strides {x.stride()} for shape "
+                          f"{tuple(x.shape)}")
+    n, hidden = x.shape[0], x.shape[1] // 2
+    if x.shape[1] % 2 or hidden % 128:
+        raise ShapeError(f"tile_kernels.{fn}: x.shape[1] = {x.shape[1]} must be 2 * hidden with hidden a multiple "
+                         "of 128")
+    if not isinstance(fmt, str) or fmt != "e4m3":  # TileKernels asserts fmt == 'e4m3' here
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be 'e4m3', got {fmt!r}")
+    group = as_int(fn, "num_per_channels", num_per_channels)
+    if group not in (128, hidden):
+        raise ShapeError(f"tile_kernels.{fn}: num_per_channels={group} must be 128 or hidden ({hidden})")
+    if use_tma_aligned_col_major_sf and group != 128:
+        raise ShapeError(f"tile_kernels.{fn}: use_tma_aligned_col_major_sf=True needs num_per_channels=128")
+    if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
+        raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
+    if pos_to_token_topk is not None:
+        tensor(fn, "pos_to_token_topk", pos_to_token_topk, (1,), (torch.int32,))
+        if pos_to_token_topk.shape[0] != n:
+            raise TensorError(f"tile_kernels.{fn}: pos_to_token_topk must have x.shape[0] = {n} entries, got "
+                              f"{pos_to_token_topk.shape[0]}")
+        if topk_weights is None:
+            raise ShapeError(f"tile_kernels.{fn}: topk_weights must be given with pos_to_token_topk")
+        tensor(fn, "topk_weights", topk_weights, (2,), (torch.float32,))
+    else:
+        topk_weights = None  # TileKernels reads the weights only through pos_to_token_topk
+    if pos_to_expert is not None:
+        tensor(fn, "pos_to_expert", pos_to_expert, (1,), (torch.int32,))
+        if pos_to_expert.shape[0] != n:
+            raise TensorError(f"tile_kernels.{fn}: pos_to_expert must have x.shape[0] = {n} entries, got "
+                              f"{pos_to_expert.shape[0]}")
+    clamp = None
+    if swiglu_clamp_value is not None:
+        clamp = as_float(fn, "swiglu_clamp_value", swiglu_clamp_value)
+        if not 0 < clamp < float("inf"):
+            raise missing(fn, FAMILY, f"swiglu_clamp_value={swiglu_clamp_value!r} (tkjit clamps at finite values > 0)")
+    if clamped_count is not None:
+        if clamp is None:
+            raise ShapeError(f"tile_kernels.{fn}: clamped_count needs swiglu_clamp_value")
+        tensor(fn, "clamped_count", clamped_count, (1,), (torch.int64,))
+        if clamped_count.shape[0] != 3 or not clamped_count.is_contiguous():
+            raise TensorError(f"tile_kernels.{fn}: clamped_count must be a contiguous (3,) int64 tensor, got shape "
+                              f"{tuple(clamped_count.shape)}")
+    amin = 1e-4
+    if sf_clamp_min is not None:
+        amin = as_float(fn, "sf_clamp_min", sf_clamp_min)
+    in_dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
+    name = "swiglu_forward_and_per_token_cast" + ("_colmajor" if use_tma_aligned_col_major_sf else "")
+    require_kernel(fn, FAMILY, name,
+                   {"hidden": hidden, "group": group, "in_dtype": in_dtype, "round_scale": bool(round_sf),
+                    "has_weights": pos_to_token_topk is not None, "has_expert": pos_to_expert is not None,
+                    "swiglu_clamp_value": clamp or 0.0, "count_clamp": clamped_count is not None,
+                    "sf_clamp_min": amin},
+                   {"hidden": "hidden (x.shape[1] / 2)", "group": "num_per_channels", "in_dtype": "x.dtype"})
+    return ops.swiglu_forward_and_per_token_cast(
+        x, group, pos_to_token_topk=pos_to_token_topk, topk_weights=topk_weights, pos_to_expert=pos_to_expert,
+        swiglu_clamp_value=clamp, clamped_count=clamped_count, round_scale=bool(round_sf),
+        col_major_scales=bool(use_tma_aligned_col_major_sf), packed_ue8m0=bool(use_packed_ue8m0), sf_clamp_min=amin)
 
 
 def swiglu_backward_and_per_token_cast(
