@@ -50,4 +50,5 @@ INDEX = {
     "mhc_head_compute_mix_bwd": "tkjit_kernels.mhc.head_compute_mix_bwd",
     "mhc_pre_split_mixes": "tkjit_kernels.mhc.pre_split_mixes",
     "mhc_pre_split_mixes_bwd": "tkjit_kernels.mhc.pre_split_mixes_bwd",
+    "swiglu_backward_and_per_token_cast": "tkjit_kernels.quant.swiglu_backward_and_per_token_cast",
 }
