@@ -52,4 +52,5 @@ INDEX = {
     "mhc_pre_split_mixes_bwd": "tkjit_kernels.mhc.pre_split_mixes_bwd",
     "swiglu_forward_and_per_token_cast": "tkjit_kernels.quant.swiglu_forward_and_per_token_cast",
     "swiglu_forward_and_per_token_cast_colmajor": "tkjit_kernels.quant.swiglu_forward_and_per_token_cast",
+    "swiglu_backward_and_per_token_cast": "tkjit_kernels.quant.swiglu_backward_and_per_token_cast",
 }

@@ -812,3 +812,24 @@ def swiglu_forward_and_per_token_cast(
     if packed_ue8m0:
         sf = pack_ue8m0(sf)
     return q, sf[:, : x.shape[0]].T
+
+
+# -- swiglu_backward_and_per_token_cast --------------------------------------------------------------
+
+def swiglu_backward_and_per_token_cast(x: torch.Tensor, x_sf: torch.Tensor, grad_out: torch.Tensor,
+                                       weight: torch.Tensor, pos_to_token_topk: torch.Tensor,
+                                       token_topk_to_pos: torch.Tensor, num_per_channels: int = 128, *,
+                                       round_scale: bool = False, swiglu_clamp_value: float | None = None,
+                                       config=None) -> tuple[torch.Tensor, ...]:
+    """SwiGLU backward of FP8 MoE rows x (E, 2 * hidden) float8_e4m3fn with scales x_sf (E, 2 * hidden /
+    num_per_channels) float32, given grad_out (E, hidden) bf16 of out = silu(a) * b * w, the routing weights
+    weight (num_tokens, num_topk) float32 and the maps pos_to_token_topk (E,) / token_topk_to_pos (num_tokens,
+    num_topk) int32 (-1: padding / not sent): (out (E, hidden) bf16, x_grad_fp8 (E, 2 * hidden) fp8 e4m3,
+    x_grad_sf (E, 2 * hidden / num_per_channels) float32, x_grad (E, 2 * hidden) bf16, weight_grad float32);
+    TileKernels' `swiglu_backward_and_per_token_cast` (round_scale: its round_sf)."""
+    clamp = None if swiglu_clamp_value is None else float(swiglu_clamp_value)
+    args = (x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, round_scale, clamp,
+            encode_config(config))
+    if _eager(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos):
+        return torch_ops.swiglu_backward_and_per_token_cast_impl(*args)
+    return torch.ops.tkjit.swiglu_backward_and_per_token_cast.default(*args)

@@ -1879,3 +1879,84 @@ def _(x, pos_to_token_topk=None, topk_weights=None, pos_to_expert=None, clamped_
     if col_major_scales:
         return q, x.new_empty((groups, (n + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
     return q, x.new_empty((n, groups), dtype=torch.float32)
+
+
+# -- swiglu_backward_and_per_token_cast --------------------------------------------------------------
+# torch.ops.tkjit.swiglu_backward_and_per_token_cast(x, x_sf, grad_out, weight, pos_to_token_topk,
+#     token_topk_to_pos, num_per_channels=128, round_scale=False, swiglu_clamp_value=None, config=None)
+#     -> (out, x_grad_fp8, x_grad_sf, x_grad, weight_grad)
+# x (E, 2 * hidden) fp8 e4m3 with x_sf (E, 2 * hidden / num_per_channels) float32, grad_out (E, hidden) bf16,
+# weight (num_tokens, num_topk) float32, pos_to_token_topk (E,) int32, token_topk_to_pos (num_tokens, num_topk)
+# int32, all contiguous. Returns out (E, hidden) bf16, the gradient's FP8 values (E, 2 * hidden) and scales
+# (E, 2 * hidden / num_per_channels) float32, the gradient (E, 2 * hidden) bf16 and weight_grad float32.
+
+_SWIGLU_BWD_SCHEMA = ("(Tensor x, Tensor x_sf, Tensor grad_out, Tensor weight, Tensor pos_to_token_topk, "
+                      "Tensor token_topk_to_pos, int num_per_channels=128, bool round_scale=False, "
+                      "float? swiglu_clamp_value=None, str? config=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _swiglu_bwd_static(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels,
+                       round_scale, swiglu_clamp_value) -> dict:
+    """The static shape, or ShapeError/TensorError naming the argument (before any division by it)."""
+    from tkjit_kernels.quant.swiglu_backward_and_per_token_cast import CHANNELS
+
+    name = "swiglu_backward_and_per_token_cast"
+    for arg, t, ndim in (("x", x, 2), ("x_sf", x_sf, 2), ("grad_out", grad_out, 2), ("weight", weight, 2),
+                         ("pos_to_token_topk", pos_to_token_topk, 1), ("token_topk_to_pos", token_topk_to_pos, 2)):
+        _need(t, (ndim,), f"{name}: {arg}")
+    if type(num_per_channels) is not int or num_per_channels not in CHANNELS:
+        raise ShapeError(f"{name}: num_per_channels must be one of {list(CHANNELS)}, got {num_per_channels!r}")
+    if x.shape[1] % (2 * num_per_channels):
+        raise ShapeError(f"{name}: x's width ({x.shape[1]}) must be a multiple of 2 * num_per_channels "
+                         f"({2 * num_per_channels})")
+    return {"hidden": int(x.shape[1]) // 2, "num_per_channels": num_per_channels,
+            "num_topk": int(token_topk_to_pos.shape[1]), "round_scale": bool(round_scale),
+            "use_clamp": swiglu_clamp_value is not None}
+
+
+def swiglu_backward_and_per_token_cast_impl(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                            num_per_channels=128, round_scale=False, swiglu_clamp_value=None,
+                                            config=None):
+    """TileKernels' swiglu_backward_and_per_token_cast: (out, x_grad_fp8, x_grad_sf, x_grad, weight_grad)."""
+    name = "swiglu_backward_and_per_token_cast"
+    static = _swiglu_bwd_static(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels,
+                                round_scale, swiglu_clamp_value)
+    e, n, k = x.shape[0], token_topk_to_pos.shape[0], static["num_topk"]
+    check_indices(name, "pos_to_token_topk", pos_to_token_topk, n * k)
+    check_indices(name, "token_topk_to_pos", token_topk_to_pos, e)
+    kern = get(name, {**static, "num_expand_tokens": max(1, e), "num_tokens": max(1, n)}, arch=arch_of(x),
+               config=_config(config))
+    if e == 0:  # no rows: nothing to launch, and no (token, k) has a gradient
+        h, g = static["hidden"], 2 * static["hidden"] // num_per_channels
+        return (x.new_empty((0, h), dtype=torch.bfloat16), x.new_empty((0, 2 * h)),
+                x.new_empty((0, g), dtype=torch.float32), x.new_empty((0, 2 * h), dtype=torch.bfloat16),
+                weight.new_zeros(weight.shape))
+    clamp = 0.0 if swiglu_clamp_value is None else float(swiglu_clamp_value)
+    if n == 0:  # no weights: every row is padding; one zero weight whose map says "sent nowhere" stands in
+        w0, t0 = weight.new_zeros((1, k)), token_topk_to_pos.new_full((1, k), -1)
+        out, q, sf, xg, wg = kern(x, x_sf, grad_out, w0, pos_to_token_topk, t0, clamp)
+        return out, q, sf, xg, wg[:0]
+    return kern(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, clamp)
+
+
+swiglu_backward_and_per_token_cast = torch.library.custom_op(
+    "tkjit::swiglu_backward_and_per_token_cast", mutates_args=(), schema=_SWIGLU_BWD_SCHEMA
+)(swiglu_backward_and_per_token_cast_impl)
+
+
+@swiglu_backward_and_per_token_cast.register_fake
+def _(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels=128, round_scale=False,
+      swiglu_clamp_value=None, config=None):
+    name = "swiglu_backward_and_per_token_cast"
+    static = _swiglu_bwd_static(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels,
+                                round_scale, swiglu_clamp_value)
+    _fake_check(name, static, x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos)
+    e = x.shape[0]
+    for arg, t in (("x_sf", x_sf), ("grad_out", grad_out), ("pos_to_token_topk", pos_to_token_topk)):
+        torch._check(t.shape[0] == e, lambda arg=arg: f"{name}: x and {arg} differ in num_expand_tokens")
+    torch._check(weight.shape[0] == token_topk_to_pos.shape[0],
+                 lambda: f"{name}: weight and token_topk_to_pos differ in num_tokens")
+    h = static["hidden"]
+    return (x.new_empty((e, h), dtype=torch.bfloat16), x.new_empty((e, 2 * h)),
+            x.new_empty((e, x_sf.shape[1]), dtype=torch.float32), x.new_empty((e, 2 * h), dtype=torch.bfloat16),
+            weight.new_empty(weight.shape))

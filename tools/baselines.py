@@ -1113,3 +1113,35 @@ SHAPES["swiglu_forward_and_per_token_cast"] = [
     {"num_tokens": 8192 * 8 + 256 * 16, "num_weights": 8192 * 8, "hidden": 2048, "has_weights": True,
      "has_expert": True, "swiglu_clamp_value": 10.0, "count_clamp": True, "round_scale": True},
 ]
+
+
+# -- swiglu_backward_and_per_token_cast ---------------------------------------------------------------
+# Inputs as the spec's make_inputs gives them: x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+# then the clamp value (used with use_clamp).
+
+def _swiglu_bwd_torch(shape):
+    from tkjit_kernels.quant.swiglu_backward_and_per_token_cast import reference
+
+    return lambda *inputs: reference(shape, *inputs)  # plain torch: dequantise, SwiGLU backward, per-token cast
+
+
+def _swiglu_bwd_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.quant import swiglu_backward_and_per_token_cast
+
+    x, x_sf, grad_out, weight, pos, t2p, clamp = inputs
+    cv = clamp if shape["use_clamp"] else None
+    return lambda: swiglu_backward_and_per_token_cast((x, x_sf), grad_out, weight, pos, t2p,
+                                                      shape["num_per_channels"], shape["round_scale"], cv)
+
+
+TORCH["swiglu_backward_and_per_token_cast"] = _swiglu_bwd_torch
+TILE_KERNELS["swiglu_backward_and_per_token_cast"] = _swiglu_bwd_tk
+# TileKernels' benchmark: 4001 tokens per rank at topk 2 / 6 / 8 / 9 (expanded rows ~ tokens * topk), its hidden
+# sizes, round_sf on, clamp None or 0.5; here topk 6 and 8 at 7168 / 4096 / 2048.
+SHAPES["swiglu_backward_and_per_token_cast"] = [
+    {"num_expand_tokens": 4001 * k, "num_tokens": 4001, "num_topk": k, "hidden": h, "num_per_channels": npc,
+     "round_scale": True, "use_clamp": clamp}
+    for k, h in ((6, 7168), (8, 4096), (8, 2048)) for npc in (128, 32) for clamp in (False, True)
+]

@@ -4,8 +4,8 @@ kernels; 'e5m6': its per_token_cast_e5m6 kernels) and `per_token_cast_with_sf_on
 per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose` and `per_channel_cast_fused`
 for fmt='e4m3' (its kernels of the same names), `cast_back` and `per_token_cast_back` (its cast_back kernels;
 x_special_fmt='e5m6': its cast_back_e5m6 kernels), `swiglu_forward_and_per_token_cast` (fmt 'e4m3', every
-option; its kernels of the same name) and `unpack_from_e2m1fn_x2` (torch); every other function or option raises
-NotImplementedError naming it.
+option; its kernels of the same name), `swiglu_backward_and_per_token_cast` (its kernel of the same name) and
+`unpack_from_e2m1fn_x2` (torch); every other function or option raises NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
     values  (num_tokens, hidden) torch.float8_e4m3fn, contiguous
@@ -73,6 +73,15 @@ times topk_weights.flat[pos_to_token_topk[row]] (a negative or out-of-range posi
 reference for -1), rows with pos_to_expert < 0 given as zero rows (TileKernels' kernel leaves them unwritten),
 clamped_count ((3,) int64) added to in place (gate > clamp, up > clamp, up < -clamp, over the rows read), the
 amax clamped to sf_clamp_min (1e-4 by default; at least 448 * 2^-126).
+
+
+swiglu_backward_and_per_token_cast(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels,
+round_sf, swiglu_clamp_value) takes x = (values (E, 2 * hidden) float8_e4m3fn (or (.., .., 2 * hidden)), scales
+(E, 2 * hidden / num_per_channels) float32 row-major), num_per_channels 32 or 128, and returns TileKernels' tuple:
+out (E, hidden) bf16, (x_grad_fp8 (E, 2 * hidden) float8_e4m3fn, its scales (E, 2 * hidden / num_per_channels)
+float32), x_grad (E, 2 * hidden) bf16, weight_grad (num_tokens, num_topk) float32; bit-exact with TileKernels'
+torch reference except weight_grad (a float32 row sum in another order). A map entry outside its range counts as
+padding (-1), where TileKernels reads out of bounds.
 """
 
 from __future__ import annotations
@@ -403,7 +412,55 @@ def swiglu_backward_and_per_token_cast(
     round_sf: bool = False,
     swiglu_clamp_value: float | None = None,
 ) -> tuple[torch.Tensor, QuantTensor, torch.Tensor, torch.Tensor]:
-    raise missing("quant.swiglu_backward_and_per_token_cast", FAMILY)
+    """SwiGLU backward of x = (values (E, 2 * hidden) fp8 e4m3, scales (E, 2 * hidden / num_per_channels)
+    float32) with the routing weights, its input gradient cast per token: (out (E, hidden) bf16, (x_grad_fp8,
+    x_grad_fp8_sf_invs), x_grad (E, 2 * hidden) bf16, weight_grad (num_tokens, num_topk) float32)."""
+    fn = "quant.swiglu_backward_and_per_token_cast"
+    if not isinstance(x, tuple) or len(x) != 2:
+        raise TensorError(f"tile_kernels.{fn}: x must be a (values, scales) pair, got {type(x).__name__}"
+                          + (f" of {len(x)}" if isinstance(x, tuple) else ""))
+    x, x_sf = x
+    npc = as_int(fn, "num_per_channels", num_per_channels)
+    if npc not in (32, 128):
+        raise ShapeError(f"tile_kernels.{fn}: num_per_channels must be 32 or 128, got {npc}")
+    tensor(fn, "x[0] (values)", x, (2, 3), (torch.float8_e4m3fn,))
+    tensor(fn, "x[1] (scales)", x_sf, (2,), (torch.float32,))
+    tensor(fn, "grad_out", grad_out, (1, 2, 3), (torch.bfloat16,))
+    tensor(fn, "weight", weight, (2,), (torch.float32,))
+    tensor(fn, "pos_to_token_topk", pos_to_token_topk, (1,), (torch.int32,))
+    tensor(fn, "token_topk_to_pos", token_topk_to_pos, (2,), (torch.int32,))
+    for name, t in (("x[0] (values)", x), ("x[1] (scales)", x_sf), ("weight", weight),
+                    ("pos_to_token_topk", pos_to_token_topk), ("token_topk_to_pos", token_topk_to_pos)):
+        if not t.is_contiguous():
+            raise TensorError(f"tile_kernels.{fn}: {name} must be contiguous, got strides {t.stride()} for shape "
+                              f"{tuple(t.shape)}")
+    if x.shape[-1] % (2 * npc):
+        raise ShapeError(f"tile_kernels.{fn}: x[0]'s last dim ({x.shape[-1]}) must be a multiple of "
+                         f"2 * num_per_channels ({2 * npc})")
+    hidden = x.shape[-1] // 2
+    x = x.view(-1, 2 * hidden)
+    e = x.shape[0]
+    if grad_out.numel() != e * hidden:
+        raise TensorError(f"tile_kernels.{fn}: grad_out must hold (num_expand_tokens, hidden) = {(e, hidden)} "
+                          f"elements, got shape {tuple(grad_out.shape)}")
+    grad_out = grad_out.reshape(e, hidden).contiguous()
+    n, k = token_topk_to_pos.shape
+    for name, t, want in (("x[1] (scales)", x_sf, (e, 2 * hidden // npc)), ("weight", weight, (n, k)),
+                          ("pos_to_token_topk", pos_to_token_topk, (e,))):
+        if tuple(t.shape) != want:
+            raise TensorError(f"tile_kernels.{fn}: {name} must have shape {want}, got {tuple(t.shape)}")
+    clamp = None
+    if swiglu_clamp_value is not None:
+        clamp = as_float(fn, "swiglu_clamp_value", swiglu_clamp_value)
+    require_kernel(fn, FAMILY, "swiglu_backward_and_per_token_cast",
+                   {"hidden": hidden, "num_per_channels": npc, "num_topk": k, "round_scale": bool(round_sf),
+                    "use_clamp": clamp is not None},
+                   {"hidden": "hidden (x[0].shape[-1] / 2)", "num_topk": "num_topk (token_topk_to_pos.shape[1])"},
+                   {"num_expand_tokens": max(1, e), "num_tokens": max(1, n)})
+    out, q, sf, x_grad, weight_grad = ops.swiglu_backward_and_per_token_cast(
+        x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, npc, round_scale=bool(round_sf),
+        swiglu_clamp_value=clamp)
+    return out, (q, sf), x_grad, weight_grad
 
 
 def per_token_cast_with_precomputed_sf(
