@@ -50,4 +50,7 @@ INDEX = {
     "mhc_head_compute_mix_bwd": "tkjit_kernels.mhc.head_compute_mix_bwd",
     "mhc_pre_split_mixes": "tkjit_kernels.mhc.pre_split_mixes",
     "mhc_pre_split_mixes_bwd": "tkjit_kernels.mhc.pre_split_mixes_bwd",
+    "swiglu_forward_and_per_channel_cast_and_transpose":
+        "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
+    "swiglu_forward_and_per_channel_cast": "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
 }

@@ -46,7 +46,7 @@ SERVED = {
     "quant": {"per_token_cast", "per_token_cast_with_sf_only", "unpack_from_e2m1fn_x2", "cast_back",
               "per_token_cast_back", "per_block_cast", "per_block_cast_with_sf_only",
               "per_block_cast_with_precomputed_sf", "per_channel_cast", "per_channel_cast_and_transpose",
-              "per_channel_cast_fused"},
+              "per_channel_cast_fused", "swiglu_forward_and_per_channel_cast_and_transpose"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix", "mhc_post", "mhc_post_fwd",
                          "mhc_post_bwd", "mhc_head_compute_mix", "mhc_pre_split_mixes"},

@@ -773,3 +773,34 @@ def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_gra
         g, gs, gb = torch.ops.tkjit.mhc_pre_split_mixes_bwd.default(*tensors, float(mhc_post_mult_value),
                                                                    encode_config(config))
     return g.view(input_mixes.shape), gs, gb
+
+
+
+# -- swiglu_forward_and_per_channel_cast(_and_transpose) ---------------------------------------------
+
+def _swiglu_channel(name, x, num_per_tokens, round_scale, swiglu_clamp_value, config):
+    clamp = None if swiglu_clamp_value is None else float(swiglu_clamp_value)
+    args = (x, num_per_tokens, round_scale, clamp, encode_config(config))
+    if _eager(x):
+        return getattr(torch_ops, f"{name}_impl")(*args)
+    return getattr(torch.ops.tkjit, name).default(*args)
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose(
+        x: torch.Tensor, num_per_tokens: int = 128, *, round_scale: bool = False,
+        swiglu_clamp_value: float | None = None, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = [gate | up] (num_tokens, 2 * hidden) bf16/f32, contiguous -> per_channel_cast_and_transpose of the
+    SwiGLU activations gate / (1 + exp(-gate)) * up (float32, rounded to x's dtype; with swiglu_clamp_value c:
+    gate <= c and |up| <= c first): (fp8 e4m3 values (hidden, num_tokens), float32 scales (num_tokens /
+    num_per_tokens, hidden)); TileKernels' `swiglu_forward_and_per_channel_cast_and_transpose`."""
+    return _swiglu_channel("swiglu_forward_and_per_channel_cast_and_transpose", x, num_per_tokens, round_scale,
+                           swiglu_clamp_value, config)
+
+
+def swiglu_forward_and_per_channel_cast(
+        x: torch.Tensor, num_per_tokens: int = 128, *, round_scale: bool = False,
+        swiglu_clamp_value: float | None = None, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same, values not transposed: (fp8 e4m3 (num_tokens, hidden), float32 scales); TileKernels'
+    `swiglu_forward_and_per_channel_cast_and_transpose(..., without_transpose=True)`."""
+    return _swiglu_channel("swiglu_forward_and_per_channel_cast", x, num_per_tokens, round_scale,
+                           swiglu_clamp_value, config)
