@@ -53,4 +53,7 @@ INDEX = {
     "swiglu_forward_and_per_token_cast": "tkjit_kernels.quant.swiglu_forward_and_per_token_cast",
     "swiglu_forward_and_per_token_cast_colmajor": "tkjit_kernels.quant.swiglu_forward_and_per_token_cast",
     "swiglu_backward_and_per_token_cast": "tkjit_kernels.quant.swiglu_backward_and_per_token_cast",
+    "swiglu_forward_and_per_channel_cast_and_transpose":
+        "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
+    "swiglu_forward_and_per_channel_cast": "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
 }

@@ -833,3 +833,33 @@ def swiglu_backward_and_per_token_cast(x: torch.Tensor, x_sf: torch.Tensor, grad
     if _eager(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos):
         return torch_ops.swiglu_backward_and_per_token_cast_impl(*args)
     return torch.ops.tkjit.swiglu_backward_and_per_token_cast.default(*args)
+
+
+# -- swiglu_forward_and_per_channel_cast(_and_transpose) ---------------------------------------------
+
+def _swiglu_channel(name, x, num_per_tokens, round_scale, swiglu_clamp_value, config):
+    clamp = None if swiglu_clamp_value is None else float(swiglu_clamp_value)
+    args = (x, num_per_tokens, round_scale, clamp, encode_config(config))
+    if _eager(x):
+        return getattr(torch_ops, f"{name}_impl")(*args)
+    return getattr(torch.ops.tkjit, name).default(*args)
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose(
+        x: torch.Tensor, num_per_tokens: int = 128, *, round_scale: bool = False,
+        swiglu_clamp_value: float | None = None, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = [gate | up] (num_tokens, 2 * hidden) bf16/f32, contiguous -> per_channel_cast_and_transpose of the
+    SwiGLU activations gate / (1 + exp(-gate)) * up (float32, rounded to x's dtype; with swiglu_clamp_value c:
+    gate <= c and |up| <= c first): (fp8 e4m3 values (hidden, num_tokens), float32 scales (num_tokens /
+    num_per_tokens, hidden)); TileKernels' `swiglu_forward_and_per_channel_cast_and_transpose`."""
+    return _swiglu_channel("swiglu_forward_and_per_channel_cast_and_transpose", x, num_per_tokens, round_scale,
+                           swiglu_clamp_value, config)
+
+
+def swiglu_forward_and_per_channel_cast(
+        x: torch.Tensor, num_per_tokens: int = 128, *, round_scale: bool = False,
+        swiglu_clamp_value: float | None = None, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same, values not transposed: (fp8 e4m3 (num_tokens, hidden), float32 scales); TileKernels'
+    `swiglu_forward_and_per_channel_cast_and_transpose(..., without_transpose=True)`."""
+    return _swiglu_channel("swiglu_forward_and_per_channel_cast", x, num_per_tokens, round_scale,
+                           swiglu_clamp_value, config)

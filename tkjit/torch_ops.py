@@ -1960,3 +1960,88 @@ def _(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_c
     return (x.new_empty((e, h), dtype=torch.bfloat16), x.new_empty((e, 2 * h)),
             x.new_empty((e, x_sf.shape[1]), dtype=torch.float32), x.new_empty((e, 2 * h), dtype=torch.bfloat16),
             weight.new_empty(weight.shape))
+
+
+# -- swiglu_forward_and_per_channel_cast(_and_transpose) ---------------------------------------------
+# per_channel_cast(_and_transpose) of silu(gate) * up, x = [gate | up] (num_tokens, 2 * hidden): the kernels see
+# x as (token_blocks, num_per_tokens, 2 * hidden); values (num_tokens, hidden) or (hidden, num_tokens), scales
+# (num_tokens / num_per_tokens, hidden), all contiguous.
+
+_SWIGLU_CHANNEL_SCHEMA = ("(Tensor x, int num_per_tokens=128, bool round_scale=False, float? swiglu_clamp_value=None, "
+                          "str? config=None) -> (Tensor, Tensor)")
+
+
+def _swiglu_channel_static(name, x, num_per_tokens, round_scale, swiglu_clamp_value) -> dict:
+    """per_channel_cast's static shape of the activations (hidden = x.shape[1] / 2) and the clamp, or
+    ShapeError/TensorError naming the argument."""
+    import math
+
+    static = _per_channel_static(name, x, num_per_tokens, round_scale)
+    width = static.pop("hidden")
+    if width % 2:
+        raise ShapeError(f"{name}: x.shape[1] = {width} must be even: [gate | up] halves of hidden channels each")
+    static["hidden"] = width // 2
+    if swiglu_clamp_value is None:
+        return {**static, "use_clamp": False, "clamp_value": 0.0}
+    c = float(swiglu_clamp_value)
+    if not (math.isfinite(c) and c >= 0):  # (a negative clamp has no consistent meaning: min > max)
+        raise ShapeError(f"{name}: swiglu_clamp_value must be finite and >= 0, got {swiglu_clamp_value!r}")
+    return {**static, "use_clamp": True, "clamp_value": c}
+
+
+def _swiglu_channel(name, x, num_per_tokens, round_scale, swiglu_clamp_value, config, transposed):
+    static = _swiglu_channel_static(name, x, num_per_tokens, round_scale, swiglu_clamp_value)
+    n, npt, h = x.shape[0], num_per_tokens, static["hidden"]
+    blocks = n // npt
+    out = x.new_empty((h, n) if transposed else (n, h), dtype=torch.float8_e4m3fn)
+    scales = x.new_empty((blocks, h), dtype=torch.float32)
+    kern = get(name, {**static, "token_blocks": max(1, blocks)}, arch=arch_of(x), config=_config(config))
+    # The 2-D tensors are allocated here and the kernel writes their 3-D views: the op returns no views.
+    kern(x.view(blocks, npt, 2 * h), out=(out.view((h, blocks, npt) if transposed else (blocks, npt, h)), scales))
+    return out, scales
+
+
+def _fake_swiglu_channel(name, x, num_per_tokens, round_scale, swiglu_clamp_value, transposed):
+    static = _swiglu_channel_static(name, x, num_per_tokens, round_scale, swiglu_clamp_value)
+    _fake_check(name, static)
+    n, h = x.shape[0], static["hidden"]
+    torch._check(n % num_per_tokens == 0, lambda: f"{name}: num_tokens must be a multiple of num_per_tokens")
+    out = x.new_empty((h, n) if transposed else (n, h), dtype=torch.float8_e4m3fn)
+    return out, x.new_empty((n // num_per_tokens, h), dtype=torch.float32)
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose_impl(x, num_per_tokens=128, round_scale=False,
+                                                           swiglu_clamp_value=None, config=None):
+    """x = [gate | up] (num_tokens, 2 * hidden) bf16/f32 -> per_channel_cast_and_transpose of silu(gate) * up:
+    (fp8 e4m3 (hidden, num_tokens), float32 scales (num_tokens / num_per_tokens, hidden))."""
+    return _swiglu_channel("swiglu_forward_and_per_channel_cast_and_transpose", x, num_per_tokens, round_scale,
+                           swiglu_clamp_value, config, True)
+
+
+swiglu_forward_and_per_channel_cast_and_transpose = torch.library.custom_op(
+    "tkjit::swiglu_forward_and_per_channel_cast_and_transpose", mutates_args=(), schema=_SWIGLU_CHANNEL_SCHEMA
+)(swiglu_forward_and_per_channel_cast_and_transpose_impl)
+
+
+@swiglu_forward_and_per_channel_cast_and_transpose.register_fake
+def _(x, num_per_tokens=128, round_scale=False, swiglu_clamp_value=None, config=None):
+    return _fake_swiglu_channel("swiglu_forward_and_per_channel_cast_and_transpose", x, num_per_tokens, round_scale,
+                                swiglu_clamp_value, True)
+
+
+def swiglu_forward_and_per_channel_cast_impl(x, num_per_tokens=128, round_scale=False, swiglu_clamp_value=None,
+                                             config=None):
+    """The same without the transpose: (fp8 e4m3 (num_tokens, hidden), float32 scales)."""
+    return _swiglu_channel("swiglu_forward_and_per_channel_cast", x, num_per_tokens, round_scale,
+                           swiglu_clamp_value, config, False)
+
+
+swiglu_forward_and_per_channel_cast = torch.library.custom_op(
+    "tkjit::swiglu_forward_and_per_channel_cast", mutates_args=(), schema=_SWIGLU_CHANNEL_SCHEMA
+)(swiglu_forward_and_per_channel_cast_impl)
+
+
+@swiglu_forward_and_per_channel_cast.register_fake
+def _(x, num_per_tokens=128, round_scale=False, swiglu_clamp_value=None, config=None):
+    return _fake_swiglu_channel("swiglu_forward_and_per_channel_cast", x, num_per_tokens, round_scale,
+                                swiglu_clamp_value, False)

@@ -1145,3 +1145,53 @@ SHAPES["swiglu_backward_and_per_token_cast"] = [
      "round_scale": True, "use_clamp": clamp}
     for k, h in ((6, 7168), (8, 4096), (8, 2048)) for npc in (128, 32) for clamp in (False, True)
 ]
+
+
+# -- swiglu_forward_and_per_channel_cast(_and_transpose) ---------------------------------------------
+# The specs' x is the (token_blocks, num_per_tokens, 2 * hidden) view of TileKernels' [gate | up] x.
+
+def _swiglu_channel_torch(transposed):
+    def make(shape):
+        h, clamp = shape["hidden"], shape["clamp_value"] if shape["use_clamp"] else None
+        cast = _per_channel_torch(transposed)(shape)
+
+        def f(x):
+            g, u = x[..., :h].float(), x[..., h:].float()
+            if clamp is not None:
+                g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+            return cast((torch.nn.functional.silu(g) * u).to(x.dtype))
+
+        return f
+
+    return make
+
+
+def _swiglu_channel_tk(transposed):
+    def make(shape, inputs):
+        npt, h = shape["num_per_tokens"], shape["hidden"]
+        (x,) = inputs
+        tokens = x.shape[0] * npt
+        if _tile_kernels() is None or tokens % 128 or h % 64 or shape["in_dtype"] != "bfloat16":
+            return None  # TileKernels takes bf16, multiples of 128 tokens and of 128 columns of x
+        from tile_kernels.quant import swiglu_forward_and_per_channel_cast_and_transpose as fn
+
+        x2 = x.view(tokens, 2 * h)
+        clamp = shape["clamp_value"] if shape["use_clamp"] else None
+        return lambda: fn(x2, "e4m3", npt, shape["round_scale"], not transposed, clamp)
+
+    return make
+
+
+TORCH.update({"swiglu_forward_and_per_channel_cast_and_transpose": _swiglu_channel_torch(True),
+              "swiglu_forward_and_per_channel_cast": _swiglu_channel_torch(False)})
+TILE_KERNELS.update({"swiglu_forward_and_per_channel_cast_and_transpose": _swiglu_channel_tk(True),
+                     "swiglu_forward_and_per_channel_cast": _swiglu_channel_tk(False)})
+# TileKernels' test sizes: 4096 (and 8064) tokens, its hidden sizes as the activations' width, 32/128 per scale;
+# MoE expert FFNs of DeepSeek-V3 (2048) and a dense FFN width (7168 here), a clamp of 10 (swiglu_limit).
+_SWIGLU_CHANNEL_SHAPES = [
+    {"token_blocks": 4096 // npt, "hidden": h, "num_per_tokens": npt} for npt in (128, 32) for h in (2048, 7168)
+] + [{"token_blocks": 63, "hidden": 2048, "num_per_tokens": 128, "use_clamp": True, "clamp_value": 10.0},
+     {"token_blocks": 256, "hidden": 2048, "num_per_tokens": 128, "use_clamp": True, "clamp_value": 10.0,
+      "round_scale": True}]
+SHAPES.update({"swiglu_forward_and_per_channel_cast_and_transpose": list(_SWIGLU_CHANNEL_SHAPES),
+               "swiglu_forward_and_per_channel_cast": list(_SWIGLU_CHANNEL_SHAPES)})

@@ -27,6 +27,9 @@ asks for a multiple of 128); `tkjit.ops` makes the views and refuses other token
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -226,3 +229,18 @@ def tile_default(shape, constraint) -> dict:
             return cfg
     return min(valid_tiles(shape, constraint),
                key=lambda c: (c["vec"] != vec, -c["vec"] * c["ch_threads"], c["threads"]))
+
+
+# -- a producer fused before the cast ---------------------------------------------------------------------
+# swiglu_forward_and_per_channel_cast(_and_transpose) cast values computed from a wider x (SwiGLU of its two
+# halves). The builders of per_channel_cast and per_channel_cast_and_transpose take one as `prologue`: x then
+# has x_cols(hidden) columns and each vector of `n` channels is made by prologue.loader(n) instead of loaded.
+
+
+@dataclass(frozen=True)
+class Prologue:
+    """x_cols(hidden): x's columns. loader(n): a TileLang macro load(dst, off, x, b, row, col) that writes the
+    in_dtype values of channels col .. col + n - 1 of x's row (b, row) to dst[off .. off + n - 1]."""
+
+    x_cols: Callable[[int], int]
+    loader: Callable[[int], Any]

@@ -24,6 +24,7 @@ from tkjit_kernels.quant._per_channel import (
     COMMON,
     SCALES,
     TILE_SPACE,
+    Prologue,
     check_hidden,
     reference_blocks,
     scale_blocks,
@@ -51,7 +52,8 @@ def default(shape):
     return tile_default(shape, constraint)
 
 
-def build(shape, c):
+def build(shape, c, prologue: Prologue | None = None):
+    """prologue: values made from x by a fused producer (`_per_channel.Prologue`), not loaded."""
     from tilelang import language as T
 
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
@@ -65,11 +67,22 @@ def build(shape, c):
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
 
-    @T.macro
-    def load(xs, x, b, tr, col):
-        for j in T.unroll(tpt):
-            for v in T.vectorized(vec):
-                xs[j * vec + v] = x[b, tr + j * tok_threads, col + v]
+    x_cols = H if prologue is None else prologue.x_cols(H)
+    if prologue is None:
+
+        @T.macro
+        def load(xs, x, b, tr, col):
+            for j in T.unroll(tpt):
+                for v in T.vectorized(vec):
+                    xs[j * vec + v] = x[b, tr + j * tok_threads, col + v]
+
+    else:
+        make = prologue.loader(vec)
+
+        @T.macro
+        def load(xs, x, b, tr, col):
+            for j in T.unroll(tpt):
+                make(xs, j * vec, x, b, tr + j * tok_threads, col)
 
     @T.macro
     def store(out, scales, xs, sf, inv, b, tr, col):
@@ -82,7 +95,7 @@ def build(shape, c):
 
     @T.prim_func
     def per_channel_cast(
-        x: T.Tensor[(token_blocks, npt, H), in_dtype],
+        x: T.Tensor[(token_blocks, npt, x_cols), in_dtype],
         out: T.Tensor[(token_blocks, npt, H), fp8],
         scales: T.Tensor[(token_blocks, H), f32],
     ):

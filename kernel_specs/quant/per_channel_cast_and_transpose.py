@@ -32,7 +32,15 @@ import itertools
 
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, TensorArg
-from tkjit_kernels.quant._per_channel import COMMON, SCALES, check_hidden, elem_bytes, reference_blocks, scale_blocks
+from tkjit_kernels.quant._per_channel import (
+    COMMON,
+    SCALES,
+    Prologue,
+    check_hidden,
+    elem_bytes,
+    reference_blocks,
+    scale_blocks,
+)
 
 SMEM_LIMIT = 48 * 1024  # the default (static) shared memory cap per block
 MAX_TILES_PER_THREAD = 8  # micro-tiles each thread moves (unrolled), as in transpose.py
@@ -115,7 +123,8 @@ def default(shape):
     return min(_valid(shape), key=lambda c: (-c["vec_bytes"], -c["out_vec"], -c["block_tokens"] * c["block_ch"]))
 
 
-def build(shape, c):
+def build(shape, c, prologue: Prologue | None = None):
+    """prologue: values made from x by a fused producer (`_per_channel.Prologue`), not loaded."""
     from tilelang import language as T
 
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
@@ -137,16 +146,30 @@ def build(shape, c):
     def swz(q, row):
         return q ^ ((row // k) % groups) if swizzle else q
 
-    @T.macro
-    def load_tile(tmp, x, blk, c0, mi, mj):
-        # Micro-tile rows mi*k .. mi*k + k - 1 of the tile: k | num_per_tokens, so all in scale block blk.
-        for rr in T.unroll(k):
-            for v in T.vectorized(k):
-                tmp[rr, v] = x[blk, (mi * k) % npt + rr, c0 + mj * k + v]
+    x_cols = H if prologue is None else prologue.x_cols(H)
+    if prologue is None:
+
+        @T.macro
+        def load_tile(tmp, x, blk, c0, mi, mj):
+            # Micro-tile rows mi*k .. mi*k + k - 1 of the tile: k | num_per_tokens, so all in scale block blk.
+            for rr in T.unroll(k):
+                for v in T.vectorized(k):
+                    tmp[rr, v] = x[blk, (mi * k) % npt + rr, c0 + mj * k + v]
+
+    else:
+        make = prologue.loader(k)
+
+        @T.macro
+        def load_tile(tmp, x, blk, c0, mi, mj):
+            row = T.alloc_local((k,), in_dtype)
+            for rr in T.unroll(k):
+                make(row, 0, x, blk, (mi * k) % npt + rr, c0 + mj * k)
+                for v in T.unroll(k):
+                    tmp[rr, v] = row[v]
 
     @T.prim_func
     def per_channel_cast_and_transpose(
-        x: T.Tensor[(token_blocks, npt, H), in_dtype],
+        x: T.Tensor[(token_blocks, npt, x_cols), in_dtype],
         out: T.Tensor[(H, token_blocks, npt), fp8],
         scales: T.Tensor[(token_blocks, H), f32],
     ):

@@ -1,10 +1,11 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` (fmt 'e4m3': its per_token_cast
 kernels; 'e5m6': its per_token_cast_e5m6 kernels) and `per_token_cast_with_sf_only` (e4m3),
 `per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its
-per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose` and `per_channel_cast_fused`
-for fmt='e4m3' (its kernels of the same names), `cast_back` and `per_token_cast_back` (its cast_back kernels;
-x_special_fmt='e5m6': its cast_back_e5m6 kernels), `swiglu_forward_and_per_token_cast` (fmt 'e4m3', every
-option; its kernels of the same name), `swiglu_backward_and_per_token_cast` (its kernel of the same name) and
+per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose`, `per_channel_cast_fused` and
+`swiglu_forward_and_per_channel_cast_and_transpose` for fmt='e4m3' (its kernels of the same names), `cast_back`
+and `per_token_cast_back` (its cast_back kernels; x_special_fmt='e5m6': its cast_back_e5m6 kernels),
+`swiglu_forward_and_per_token_cast` (fmt 'e4m3', every option; its kernels of the same name),
+`swiglu_backward_and_per_token_cast` (its kernel of the same name) and
 `unpack_from_e2m1fn_x2` (torch); every other function or option raises NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
@@ -82,9 +83,20 @@ out (E, hidden) bf16, (x_grad_fp8 (E, 2 * hidden) float8_e4m3fn, its scales (E, 
 float32), x_grad (E, 2 * hidden) bf16, weight_grad (num_tokens, num_topk) float32; bit-exact with TileKernels'
 torch reference except weight_grad (a float32 row sum in another order). A map entry outside its range counts as
 padding (-1), where TileKernels reads out of bounds.
+
+
+swiglu_forward_and_per_channel_cast_and_transpose(x, 'e4m3', num_per_tokens, round_sf, without_transpose,
+swiglu_clamp_value) (tkjit's swiglu_forward_and_per_channel_cast(_and_transpose) kernels) casts the SwiGLU
+activations gate / (1 + exp(-gate)) * up of x = [gate | up] (num_tokens, 2 * hidden) (float32; with
+swiglu_clamp_value c: gate <= c, |up| <= c first), rounded to x's dtype as TileKernels' kernel stages them, and
+returns per_channel_cast_and_transpose's layout (without_transpose=True: per_channel_cast's) for hidden channels.
+x is bf16 (TileKernels) or float32; num_per_tokens 32 or 128; num_tokens a multiple of num_per_tokens, x.shape[1]
+of 32 (TileKernels: 128 and 128); swiglu_clamp_value None or finite and >= 0.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -202,7 +214,45 @@ def swiglu_forward_and_per_channel_cast_and_transpose(
     without_transpose: bool = False,
     swiglu_clamp_value: float | None = None,
 ) -> QuantTensor:
-    raise missing("quant.swiglu_forward_and_per_channel_cast_and_transpose", FAMILY)
+    """per_channel_cast_and_transpose (without_transpose: per_channel_cast) of the SwiGLU activations of x = [gate
+    | up] (num_tokens, 2 * hidden): (values (hidden, num_tokens) or (num_tokens, hidden), scales (num_tokens /
+    num_per_tokens, hidden))."""
+    fn = "quant.swiglu_forward_and_per_channel_cast_and_transpose"
+    if not isinstance(fmt, str) or fmt != "e4m3":
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be 'e4m3', got {fmt!r}")
+    tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
+    if not x.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: x must be contiguous, got strides {x.stride()} for shape "
+                          f"{tuple(x.shape)}")
+    npt = as_int(fn, "num_per_tokens", num_per_tokens)
+    if npt not in PER_CHANNEL_TOKENS:
+        raise ShapeError(f"tile_kernels.{fn}: num_per_tokens must be one of {list(PER_CHANNEL_TOKENS)}, got {npt}")
+    n, width = x.shape
+    if width % 32:  # (TileKernels asks for a multiple of 128)
+        raise ShapeError(f"tile_kernels.{fn}: x.shape[1] = {width} must be a multiple of 32 (two halves of hidden "
+                         f"channels, hidden a multiple of 16)")
+    if n % npt:
+        raise ShapeError(f"tile_kernels.{fn}: num_tokens (x.shape[0] = {n}) must be a multiple of num_per_tokens "
+                         f"({npt})")
+    clamp = swiglu_clamp_value
+    if clamp is not None:
+        if isinstance(clamp, bool) or not isinstance(clamp, (int, float)):
+            raise ShapeError(f"tile_kernels.{fn}: swiglu_clamp_value must be a float or None, got {clamp!r}")
+        if not (math.isfinite(clamp) and clamp >= 0):
+            raise ShapeError(f"tile_kernels.{fn}: swiglu_clamp_value must be finite and >= 0, got {clamp!r}")
+        clamp = float(clamp)
+    round_scale = bool(round_sf)
+    name = "swiglu_forward_and_per_channel_cast" if without_transpose else \
+        "swiglu_forward_and_per_channel_cast_and_transpose"
+    require_kernel(fn, FAMILY, name,
+                   {"hidden": width // 2, "num_per_tokens": npt, "in_dtype": "bfloat16" if x.dtype == torch.bfloat16
+                    else "float32", "round_scale": round_scale, "use_clamp": clamp is not None,
+                    "clamp_value": 0.0 if clamp is None else clamp},
+                   {"hidden": "hidden (x.shape[1] / 2)", "in_dtype": "x.dtype", "clamp_value": "swiglu_clamp_value"},
+                   {"token_blocks": max(1, n // npt)})
+    op = ops.swiglu_forward_and_per_channel_cast if without_transpose else \
+        ops.swiglu_forward_and_per_channel_cast_and_transpose
+    return op(x, npt, round_scale=round_scale, swiglu_clamp_value=clamp)
 
 
 def _per_channel_cast(
