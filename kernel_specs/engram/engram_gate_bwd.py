@@ -54,7 +54,7 @@ from tkjit_kernels.engram._gate import (
 from tkjit_kernels.mhc._post import idle_threads_problem
 
 BWD_PARAMS = tuple(p for p in PARAMS if p.name != "eps") + (PARTIALS,)  # rstd is saved: no eps here
-THREADS = (64, 128, 256, 512, 1024)
+THREADS = (32, 64, 128, 256, 512, 1024)
 
 
 def _steps(shape, c) -> int:
@@ -80,7 +80,7 @@ def default(shape):
     vec = widest_vec(h)
     cpr = h // vec
     threads = 512
-    while threads > 64 and idle_threads_problem(cpr, threads):
+    while threads > 32 and idle_threads_problem(cpr, threads):
         threads //= 2
     c = {"vec": vec, "threads": threads, "grad_w": "regs"}
     if _acc_regs(shape, c) > _acc_cap(threads):
@@ -271,11 +271,12 @@ def build(shape, c):
 
 def make_inputs(shape, device="cpu", seed=0):
     """grad_out, hidden_states, k, v, weight_fused (`gate_inputs`), then the forward's saved values computed
-    from them (float64 rounded once to float32, as engram_gate_fwd writes them to rounding)."""
+    from them with the forward's default eps 1e-6 (float64 rounded once to float32, as engram_gate_fwd writes
+    them to rounding)."""
     from tkjit_kernels.engram._gate import forward64
 
     go, x, k, v, w = gate_inputs(shape, "cpu", seed, grad=True)
-    _, *saved = forward64(x, k, v, w, shape["eps"], shape["clamp_value"])
+    _, *saved = forward64(x, k, v, w, 1e-6, shape["clamp_value"])
     out = (go, x, k, v, w, *(t.float() for t in saved))
     return tuple(t.to(device) for t in out)
 
