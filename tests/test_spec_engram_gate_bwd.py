@@ -94,8 +94,7 @@ def test_reference_is_float64_autograd(seed, clamp_value):
     out, dot, gate, rx, rk = forward64(xd, kd, vd, wd, 1e-6, clamp_value)
     gx, gk, gv, gw = torch.autograd.grad(out, (xd, kd, vd, wd), go.double())
     saved = [t.detach() for t in (dot, gate, rx, rk)]
-    rx_, rk_ = backward64(go, x, k, v, w, *saved, clamp_value, 8), None
-    bx, bk, bv, bw = rx_
+    bx, bk, bv, bw = backward64(go, x, k, v, w, *saved, clamp_value, 8)
     assert bw.shape == (8, 4, 512)
     kw = dict(rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(bx, gx, **kw)
@@ -382,7 +381,8 @@ def test_compat_bwd_argument_errors(change, err, match, num_sms):
         tk.engram.engram_gate_bwd(**args)
 
 
-@pytest.mark.parametrize("m, h, match", [(4, 768, "multiple of 512"), (4, 512, "at least 1024"), (2, 1024, "must be 4")])
+@pytest.mark.parametrize("m, h, match", [(4, 768, "multiple of 512"), (4, 512, "at least 1024"),
+                                         (2, 1024, "must be 4")])
 def test_compat_bwd_shapes_tile_kernels_refuses(m, h, match, num_sms):
     with pytest.raises(ShapeError, match=match):
         tk.engram.engram_gate_bwd(*_bwd_args(2, m, h, P=8), 1e-6)
