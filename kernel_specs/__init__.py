@@ -35,6 +35,8 @@ INDEX = {
     "engram_hash": "tkjit_kernels.engram.engram_hash",
     "fused_weight": "tkjit_kernels.engram.fused_weight",
     "engram_gate_fwd": "tkjit_kernels.engram.engram_gate_fwd",
+    "engram_gate_bwd": "tkjit_kernels.engram.engram_gate_bwd",
+    "grad_w_reduce": "tkjit_kernels.engram.grad_w_reduce",
     "cast_back": "tkjit_kernels.quant.cast_back",
     "cast_back_colmajor": "tkjit_kernels.quant.cast_back",
     "per_channel_cast": "tkjit_kernels.quant.per_channel_cast",

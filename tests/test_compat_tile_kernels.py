@@ -53,7 +53,7 @@ SERVED = {
     "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix", "mhc_post", "mhc_post_fwd",
                          "mhc_post_bwd", "mhc_head_compute_mix", "mhc_pre_split_mixes"},
     "modeling.mhc": {"expand_from_embedding"},
-    "engram": {"engram_hash", "fused_weight", "engram_gate_fwd"},
+    "engram": {"engram_hash", "fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce"},
 }
 FAMILY = {"engram": "engram", "modeling.engram": "engram", "modeling.mhc": "mhc", "modeling.mhc.ops": "mhc",
           "moe": "moe", "quant": "quant"}
@@ -260,10 +260,11 @@ def test_unserved_ops_raise_not_implemented_naming_op_and_family(module, name):
                               f"with tkjit's '{fam}' kernel family (kernel_specs/{fam}/)")
 
 
-def test_engram_gate_raises_not_implemented():
-    x = torch.zeros(2, 4, 8, requires_grad=True)
+def test_engram_gate_checks_its_tensors():
+    # served (tests/test_spec_engram_gate_bwd.py runs it): float32 tensors are refused naming the argument
+    x = torch.zeros(2, 4, 512, requires_grad=True)
     for f in (tk.modeling.engram.engram_gate, tk.modeling.engram.EngramGateFn.apply):
-        with pytest.raises(NotImplementedError, match=r"tile_kernels.modeling.engram.EngramGateFn: .*'engram'"):
+        with pytest.raises(tkjit.TensorError, match=r"engram.fused_weight: weight_hidden must be torch.bfloat16"):
             f(x, x, x[:, 0], x[0], x[0], 1.0, 1e-6)
 
 

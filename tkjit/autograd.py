@@ -314,3 +314,72 @@ def mhc_pre_split_mixes_flat(input_mixes, mhc_scale, mhc_base, mhc_mult: int, mh
     if all(plain(t) for t in args[:3]):
         return MhcPreSplitMixesFunction.apply(*args)
     return torch.ops.tkjit.mhc_pre_split_mixes.default(*args)
+
+
+# -- engram_gate ---------------------------------------------------------------------------------------
+# out = tkjit.autograd.engram_gate(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps):
+# TileKernels' EngramGateFn. Forward: fused_weight then engram_gate_fwd (saving dot, gate_score, rstd_x,
+# rstd_k); backward: engram_gate_bwd then grad_w_reduce into the weights' float32 gradients (a weight's
+# `main_grad` buffer when it has one: accumulated in place, and None returned for that weight, as
+# TileKernels does). Plain eager tensors call the ops' implementations; torch.compile, FakeTensors and
+# subclasses go through torch.ops.tkjit (traced; grad_w_reduce is a mutating op).
+
+
+def _engram_call(eager: bool, name: str, *args):
+    impl = getattr(torch_ops, f"{name}_impl") if eager else getattr(torch.ops.tkjit, name).default
+    return impl(*args)
+
+
+class EngramGateFunction(torch.autograd.Function):
+    """Engram gate on the flattened tokens: hidden_states, k (num_tokens, hc_mult, hidden_size), v
+    (num_tokens, hidden_size), weight_hidden, weight_embed (hc_mult, hidden_size) bfloat16."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, num_partials):
+        eager = all(plain(t) for t in (hidden_states, k, v, weight_hidden, weight_embed))
+        weight_fused = _engram_call(eager, "fused_weight", weight_hidden, weight_embed, None)
+        out, *saved = _engram_call(eager, "engram_gate_fwd", hidden_states, k, v, weight_fused, float(eps),
+                                   float(clamp_value), None)
+        ctx.save_for_backward(hidden_states, k, v, weight_hidden, weight_embed, weight_fused, *saved)
+        ctx.args = (float(clamp_value), int(num_partials), eager)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, k, v, weight_hidden, weight_embed, weight_fused, *saved = ctx.saved_tensors
+        clamp_value, num_partials, eager = ctx.args
+        eager = eager and plain(grad_out)
+        grad_out = grad_out.to(torch.bfloat16).contiguous()
+        with torch.no_grad():
+            grad_x, grad_k, grad_v, partial = _engram_call(eager, "engram_gate_bwd", grad_out, x, k, v, weight_fused,
+                                                           *saved, clamp_value, num_partials, None)
+            main_wh = getattr(weight_hidden, "main_grad", None)
+            main_we = getattr(weight_embed, "main_grad", None)
+            grad_wh = main_wh if main_wh is not None else torch.zeros_like(weight_hidden, dtype=torch.float32)
+            grad_we = main_we if main_we is not None else torch.zeros_like(weight_embed, dtype=torch.float32)
+            _engram_call(eager, "grad_w_reduce", partial, weight_hidden, weight_embed, grad_wh, grad_we, None)
+        deps = (grad_out, x, k, v, weight_hidden, weight_embed)
+        once = [_once("engram_gate", g, *deps) for g in (grad_x, grad_k, grad_v)]
+        return (*once, None if main_wh is not None else _once("engram_gate", grad_wh, *deps),
+                None if main_we is not None else _once("engram_gate", grad_we, *deps), None, None, None)
+
+
+def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_hidden: torch.Tensor,
+                weight_embed: torch.Tensor, clamp_value: float, eps: float, *,
+                num_partials: int = torch_ops.ENGRAM_PARTIALS) -> torch.Tensor:
+    """Differentiable fused Engram gate (TileKernels' EngramGateFn): hidden_states, k (..., hc_mult,
+    hidden_size), v (..., hidden_size), weight_hidden, weight_embed (hc_mult, hidden_size), all bfloat16
+    -> out (..., hc_mult, hidden_size) bfloat16 = x + sigmoid(signed sqrt(RMSNorm dot)) * v."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
+        raise TensorError(f"engram_gate: hidden_states must be a (..., hc_mult, hidden_size) tensor, got "
+                          f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
+    m, h = hidden_states.shape[-2:]
+    lead = tuple(hidden_states.shape[:-2])
+    want = {"k": lead + (m, h), "v": lead + (h,), "weight_hidden": (m, h), "weight_embed": (m, h)}
+    for name, t in (("k", k), ("v", v), ("weight_hidden", weight_hidden), ("weight_embed", weight_embed)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[name]:
+            raise TensorError(f"engram_gate: {name} must have shape {want[name]} (hidden_states is "
+                              f"{tuple(hidden_states.shape)}), got {getattr(t, 'shape', type(t).__name__)}")
+    out = EngramGateFunction.apply(hidden_states.reshape(-1, m, h), k.reshape(-1, m, h), v.reshape(-1, h),
+                                   weight_hidden, weight_embed, clamp_value, eps, num_partials)
+    return out.view(hidden_states.shape)

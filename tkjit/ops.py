@@ -863,3 +863,43 @@ def swiglu_forward_and_per_channel_cast(
     `swiglu_forward_and_per_channel_cast_and_transpose(..., without_transpose=True)`."""
     return _swiglu_channel("swiglu_forward_and_per_channel_cast", x, num_per_tokens, round_scale,
                            swiglu_clamp_value, config)
+
+
+# -- engram_gate_bwd / grad_w_reduce -------------------------------------------------------------------
+
+def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    weight_fused: torch.Tensor, dot: torch.Tensor, gate_score: torch.Tensor, rstd_x: torch.Tensor,
+                    rstd_k: torch.Tensor, clamp_value: float, *, num_partials: int = torch_ops.ENGRAM_PARTIALS,
+                    config=None) -> tuple[torch.Tensor, ...]:
+    """TileKernels' `engram.engram_gate_bwd` on the flattened tokens: grad_out (num_tokens, hc_mult,
+    hidden_size) bf16, engram_gate_fwd's inputs and saved values -> (grad_x, grad_k (num_tokens, hc_mult,
+    hidden_size), grad_v (num_tokens, hidden_size) bf16, grad_w_partial (num_partials, hc_mult, hidden_size)
+    float32: weight_fused's gradient summed per persistent block; `grad_w_reduce` finishes it)."""
+    tensors = (grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k)
+    args = (float(clamp_value), int(num_partials), encode_config(config))
+    if _eager(*tensors):
+        return torch_ops.engram_gate_bwd_impl(*tensors, *args)
+    return torch.ops.tkjit.engram_gate_bwd.default(*tensors, *args)
+
+
+def grad_w_reduce(grad_w_partial: torch.Tensor, weight_hidden: torch.Tensor, weight_embed: torch.Tensor,
+                  grad_weight_hidden: torch.Tensor, grad_weight_embed: torch.Tensor, *, config=None) -> None:
+    """TileKernels' `engram.grad_w_reduce`: g = grad_w_partial (num_partials, hc_mult, hidden_size) float32
+    summed over its rows, then in place grad_weight_hidden += g * weight_embed and grad_weight_embed += g *
+    weight_hidden ((hc_mult, hidden_size): bf16 weights, float32 gradients, contiguous)."""
+    tensors = (grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
+    if _eager(*tensors):
+        torch_ops.grad_w_reduce_impl(*tensors, encode_config(config))
+    else:
+        torch.ops.tkjit.grad_w_reduce.default(*tensors, encode_config(config))
+
+
+def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_hidden: torch.Tensor,
+                weight_embed: torch.Tensor, clamp_value: float, eps: float) -> torch.Tensor:
+    """Differentiable fused Engram gate over any leading dims (TileKernels' `modeling.engram.engram_gate`):
+    hidden_states, k (..., hc_mult, hidden_size), v (..., hidden_size), weights (hc_mult, hidden_size) bf16
+    -> (..., hc_mult, hidden_size) bf16; the gradients run engram_gate_bwd and grad_w_reduce (a weight's
+    `main_grad`, when it has one, takes its gradient in place)."""
+    from tkjit.autograd import engram_gate as _engram_gate
+
+    return _engram_gate(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps)

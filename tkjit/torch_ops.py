@@ -2045,3 +2045,123 @@ swiglu_forward_and_per_channel_cast = torch.library.custom_op(
 def _(x, num_per_tokens=128, round_scale=False, swiglu_clamp_value=None, config=None):
     return _fake_swiglu_channel("swiglu_forward_and_per_channel_cast", x, num_per_tokens, round_scale,
                                 swiglu_clamp_value, False)
+
+
+# -- engram_gate_bwd / grad_w_reduce -------------------------------------------------------------------
+# torch.ops.tkjit.engram_gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k,
+#                                 clamp_value, num_partials=132, config=None)
+#     -> (grad_x, grad_k, grad_v, grad_w_partial)
+# torch.ops.tkjit.grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden,
+#                               grad_weight_embed, config=None) -> ()     # adds into the last two in place
+# grad_x, grad_k (num_tokens, hc_mult, hidden_size) and grad_v (num_tokens, hidden_size) bf16, grad_w_partial
+# (num_partials, hc_mult, hidden_size) float32: weight_fused's gradient summed over each persistent block's
+# tokens (TileKernels' num_sms rows). engram_gate_fwd is differentiable (registered here) in hidden_states,
+# k, v and weight_fused; its saved outputs (dot, gate_score, rstd_x, rstd_k) are not differentiable, and
+# weight_fused's gradient is the partials summed in float32.
+
+ENGRAM_PARTIALS = 132  # H200's SM count: the backward's default persistent blocks
+
+
+def _engram_bwd_static(name, hidden_states, clamp_value, num_partials) -> dict:
+    _need(hidden_states, (3,), f"{name}: hidden_states")
+    return {"hc_mult": int(hidden_states.shape[1]), "hidden_size": int(hidden_states.shape[2]),
+            "clamp_value": float(clamp_value), "num_partials": int(num_partials)}
+
+
+def engram_gate_bwd_impl(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value,
+                         num_partials=ENGRAM_PARTIALS, config=None):
+    """TileKernels' engram_gate_bwd: (grad_x, grad_k, grad_v) bf16 and grad_w_partial (num_partials, hc_mult,
+    hidden_size) float32, from grad_out = dL/d out and the forward's inputs and saved values."""
+    static = _engram_bwd_static("engram_gate_bwd", hidden_states, clamp_value, num_partials)
+    kern = get("engram_gate_bwd", {"num_tokens": max(1, hidden_states.shape[0]), **static},
+               arch=arch_of(hidden_states), config=_config(config))
+    return kern(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k)
+
+
+engram_gate_bwd = torch.library.custom_op(
+    "tkjit::engram_gate_bwd", mutates_args=(),
+    schema="(Tensor grad_out, Tensor hidden_states, Tensor k, Tensor v, Tensor weight_fused, Tensor dot, "
+           "Tensor gate_score, Tensor rstd_x, Tensor rstd_k, float clamp_value, int num_partials=132, "
+           "str? config=None) -> (Tensor, Tensor, Tensor, Tensor)",
+)(engram_gate_bwd_impl)
+
+
+@engram_gate_bwd.register_fake
+def _(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value,
+      num_partials=ENGRAM_PARTIALS, config=None):
+    name = "engram_gate_bwd"
+    static = _engram_bwd_static(name, hidden_states, clamp_value, num_partials)
+    _need(grad_out, (3,), f"{name}: grad_out")
+    _need(k, (3,), f"{name}: k")
+    _need(v, (2,), f"{name}: v")
+    _need(weight_fused, (2,), f"{name}: weight_fused")
+    saved = (dot, gate_score, rstd_x, rstd_k)
+    for t in saved:
+        _need(t, (2,), f"{name}: dot, gate_score, rstd_x, rstd_k")
+    _fake_check(name, static, grad_out, hidden_states, k, v, weight_fused, *saved)
+    for t in (grad_out, k, v, *saved):
+        torch._check(t.shape[0] == hidden_states.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
+    t, m, h = hidden_states.shape
+    return (hidden_states.new_empty((t, m, h)), hidden_states.new_empty((t, m, h)), hidden_states.new_empty((t, h)),
+            weight_fused.new_empty((static["num_partials"], m, h)))
+
+
+def _grad_w_static(name, grad_w_partial) -> dict:
+    _need(grad_w_partial, (3,), f"{name}: grad_w_partial")
+    p, m, h = (int(n) for n in grad_w_partial.shape)
+    return {"hc_mult": m, "hidden_size": h, "num_partials": p}
+
+
+def grad_w_reduce_impl(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed,
+                       config=None):
+    """TileKernels' grad_w_reduce: g = the partials summed over axis 0 (float32, in order), then in place
+    grad_weight_hidden += g * weight_embed and grad_weight_embed += g * weight_hidden."""
+    static = _grad_w_static("grad_w_reduce", grad_w_partial)
+    kern = get("grad_w_reduce", static, arch=arch_of(grad_w_partial), config=_config(config))
+    kern(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
+
+
+grad_w_reduce = torch.library.custom_op(
+    "tkjit::grad_w_reduce", mutates_args=("grad_weight_hidden", "grad_weight_embed"),
+    schema="(Tensor grad_w_partial, Tensor weight_hidden, Tensor weight_embed, Tensor(a!) grad_weight_hidden, "
+           "Tensor(b!) grad_weight_embed, str? config=None) -> ()",
+)(grad_w_reduce_impl)
+
+
+@grad_w_reduce.register_fake
+def _(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed, config=None):
+    name = "grad_w_reduce"
+    static = _grad_w_static(name, grad_w_partial)
+    for what, t in (("weight_hidden", weight_hidden), ("weight_embed", weight_embed),
+                    ("grad_weight_hidden", grad_weight_hidden), ("grad_weight_embed", grad_weight_embed)):
+        _need(t, (2,), f"{name}: {what}")
+    _fake_check(name, static, grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
+
+
+ENGRAM_GATE_DIFFERENTIABLE_ONCE = (
+    "tkjit: engram_gate is differentiable once: engram_gate_bwd has no gradient (double backward, e.g. "
+    "create_graph=True followed by a backward through the gradients, is not supported)"
+)
+
+
+def _engram_gate_setup_context(ctx, inputs, output):
+    hidden_states, k, v, weight_fused, _, clamp_value, _ = inputs
+    _, dot, gate_score, rstd_x, rstd_k = output
+    ctx.mark_non_differentiable(dot, gate_score, rstd_x, rstd_k)
+    ctx.save_for_backward(hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k)
+    ctx.clamp_value = float(clamp_value)
+
+
+def _engram_gate_backward(ctx, grad_out, *_):
+    saved = ctx.saved_tensors
+    grad_out = grad_out.to(torch.bfloat16).contiguous()
+    grad_x, grad_k, grad_v, partial = torch.ops.tkjit.engram_gate_bwd.default(grad_out, *saved, ctx.clamp_value)
+    return grad_x, grad_k, grad_v, partial.sum(0), None, None, None
+
+
+def _engram_gate_no_double_backward(ctx, *grads):
+    raise RuntimeError(ENGRAM_GATE_DIFFERENTIABLE_ONCE)
+
+
+engram_gate_fwd.register_autograd(_engram_gate_backward, setup_context=_engram_gate_setup_context)
+engram_gate_bwd.register_autograd(_engram_gate_no_double_backward, setup_context=lambda ctx, inputs, output: None)

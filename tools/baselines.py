@@ -1195,3 +1195,57 @@ _SWIGLU_CHANNEL_SHAPES = [
       "round_scale": True}]
 SHAPES.update({"swiglu_forward_and_per_channel_cast_and_transpose": list(_SWIGLU_CHANNEL_SHAPES),
                "swiglu_forward_and_per_channel_cast": list(_SWIGLU_CHANNEL_SHAPES)})
+
+
+# -- engram_gate_bwd / grad_w_reduce ---------------------------------------------------------------------
+# TileKernels ships no benchmark for the gate's backward: the forward's shapes (mHC rate 4, hidden 7168 /
+# 4096, prefill-sized token counts), its num_sms (132 on the H200) partial rows.
+
+def _engram_gate_bwd_torch(shape):
+    def run(go, x, k, v, w, dot, gate, rx, rk):
+        # TileKernels' closed forms in float32 torch (what its backward kernel computes)
+        h, c = shape["hidden_size"], shape["hidden_size"] ** -0.5
+        gof, xf, kf = go.float(), x.float(), k.float()
+        dldg = (gof * v.float().unsqueeze(1)).sum(-1)
+        dr = dldg * gate * (1 - gate) * 0.5 * torch.sqrt(c * rx * rk / dot.abs())
+        dr = torch.where(dot.abs() * c * rx * rk < shape["clamp_value"], 0.0, dr).unsqueeze(-1)
+        d = dot.unsqueeze(-1)
+        gx = gof + dr * (kf * w - xf * (d * rx.unsqueeze(-1) ** 2 / h))
+        gk = dr * (xf * w - kf * (d * rk.unsqueeze(-1) ** 2 / h))
+        gv = (gof * gate.unsqueeze(-1)).sum(1)
+        return gx.bfloat16(), gk.bfloat16(), gv.bfloat16(), (dr * xf * kf).sum(0)
+
+    return run
+
+
+def _engram_gate_bwd_tk(shape, inputs):
+    h = shape["hidden_size"]
+    if _tile_kernels() is None or shape["hc_mult"] != 4 or h % 512 or h < 1024:
+        return None
+    from tile_kernels.engram import engram_gate_bwd
+
+    return lambda: engram_gate_bwd(*inputs, shape["clamp_value"])
+
+
+def _grad_w_reduce_torch(shape):
+    def run(partial, wh, we, gh, ge):
+        g = partial.sum(0)
+        gh.add_(g * we.float())
+        ge.add_(g * wh.float())
+
+    return run
+
+
+def _grad_w_reduce_tk(shape, inputs):
+    if _tile_kernels() is None or shape["hidden_size"] % 512 or shape.get("num_partials", 132) % 4:
+        return None
+    from tile_kernels.engram import grad_w_reduce
+
+    return lambda: grad_w_reduce(*inputs)
+
+
+TORCH.update({"engram_gate_bwd": _engram_gate_bwd_torch, "grad_w_reduce": _grad_w_reduce_torch})
+TILE_KERNELS.update({"engram_gate_bwd": _engram_gate_bwd_tk, "grad_w_reduce": _grad_w_reduce_tk})
+SHAPES["engram_gate_bwd"] = [{"num_tokens": n, "hc_mult": 4, "hidden_size": h} for h in (7168, 4096)
+                             for n in (4096, 16384)]
+SHAPES["grad_w_reduce"] = [{"hc_mult": 4, "hidden_size": h} for h in (7168, 4096)]

@@ -19,6 +19,9 @@ sigmoid(+sqrt(clamp_value)) (-0.0: the negative root), where TileKernels' torch 
   gate_inputs             make_inputs' tensors (odd seeds: rows of many magnitudes, zero rows)
   forward64               the forward in float64 (the references, and the tests' autograd)
   gate_grad64             dL/d dot from the saved forward values, as the backward kernel forms it
+  PARTIALS, partial_sums  the backward's per-block partial sums of weight_fused's gradient (TileKernels'
+                          persistent blocks: block b sums the tokens [b * ceil(N / P), (b + 1) * ceil(N / P)))
+  backward64              engram_gate_bwd's outputs in float64 from the saved values
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from tkjit.spec import Runtime, Static, TensorArg, Tolerance
 MAX_HC = 16
 MAX_HIDDEN = 1 << 16
 VECS = (1, 2, 4, 8)  # channels per chunk: 2..16-byte bf16 vectors
+NUM_SMS = 132  # H200: the backward's default block count (TileKernels takes the GPU's SM count)
+MAX_PARTIALS = 4096
 
 PARAMS = (
     Runtime("num_tokens", hi=1 << 24, doc="tokens (the flattened leading dims); runtime size"),
@@ -38,6 +43,19 @@ PARAMS = (
     Static("eps", type=float, lo=0.0, hi=1.0, default=1e-6, doc="RMSNorm epsilon"),
     Static("clamp_value", type=float, lo=0.0, hi=1e6, default=1e-6, doc="|score| floor before the signed sqrt"),
 )
+
+
+PARTIALS = Static("num_partials", lo=1, hi=MAX_PARTIALS, default=NUM_SMS,
+                  doc="backward blocks: rows of partial sums of weight_fused's gradient (TileKernels' num_sms)")
+
+
+def partials_check(shape):
+    """The partials' int32 indexing: num_partials * hc_mult * hidden_size elements at most 2**31 - 1."""
+    n = shape["num_partials"] * shape["hc_mult"] * shape["hidden_size"]
+    if n >= 1 << 31:
+        return (f"num_partials * hc_mult * hidden_size = {n} partial sums: the kernels index at most 2**31 - 1 "
+                "(use fewer num_partials)")
+    return None
 
 
 def arch_constraint(arch, c, shape):
@@ -168,3 +186,38 @@ EXAMPLES = (
     {"num_tokens": 4096, "hc_mult": 4, "hidden_size": 4096},
     {"num_tokens": 1024, "hc_mult": 4, "hidden_size": 2560},
 )
+
+
+def clamped(dot, rstd_x, rstd_k, hidden_size, clamp_value):
+    """Where the backward zeroes a head's gate gradient: |dot| * scalar * rstd_x * rstd_k < clamp_value,
+    evaluated in float32 left to right as the kernels (and TileKernels') do, so that a score at the clamp
+    boundary falls on the kernel's side (the float64 value could fall on the other)."""
+    scalar = torch.tensor(hidden_size**-0.5, dtype=torch.float32)
+    return dot.float().abs() * scalar * rstd_x.float() * rstd_k.float() < torch.tensor(clamp_value, dtype=torch.float32)
+
+
+def partial_sums(per_token, num_partials):
+    """(num_tokens, ...) -> (num_partials, ...): row b sums the tokens [b * ceil(N / P), (b + 1) * ceil(N / P))
+    (zeros for a block past the end), the backward kernel's block ranges."""
+    n = per_token.shape[0]
+    per = -(-n // num_partials) if n else 1
+    pad = per_token.new_zeros((per * num_partials - n, *per_token.shape[1:]))
+    return torch.cat([per_token, pad]).view(num_partials, per, *per_token.shape[1:]).sum(1)
+
+
+def backward64(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value,
+               num_partials):
+    """(grad_x, grad_k, grad_v, grad_w_partial) in float64 from the forward's saved values: TileKernels'
+    closed forms (`gate_grad64`; tests check them against autograd through `forward64`), the clamp test
+    as the kernel evaluates it (`clamped`), weight_fused's gradient summed per block (`partial_sums`)."""
+    go, x, kk, vv, w = (t.double() for t in (grad_out, hidden_states, k, v, weight_fused))
+    h = x.shape[-1]
+    dldg = (go * vv.unsqueeze(1)).sum(-1)
+    dr = gate_grad64(dldg, dot, gate_score, rstd_x, rstd_k, h, 0.0)  # ungated: the clamp test follows
+    dr = torch.where(clamped(dot, rstd_x, rstd_k, h, clamp_value), torch.zeros_like(dr), dr).unsqueeze(-1)
+    d = dot.double().unsqueeze(-1)
+    rx2, rk2 = rstd_x.double().unsqueeze(-1) ** 2, rstd_k.double().unsqueeze(-1) ** 2
+    grad_x = go + dr * (kk * w - x * (d * rx2 / h))
+    grad_k = dr * (x * w - kk * (d * rk2 / h))
+    grad_v = (go * gate_score.double().unsqueeze(-1)).sum(1)
+    return grad_x, grad_k, grad_v, partial_sums(dr * x * kk, num_partials)

@@ -1,11 +1,12 @@
-"""TileKernels' `engram` kernels. tkjit serves `engram_hash`, `fused_weight` and `engram_gate_fwd`; the
-others (`engram_gate_bwd`, `grad_w_reduce`) raise NotImplementedError naming them."""
+"""TileKernels' `engram` kernels. tkjit serves all of them: `engram_hash`, `fused_weight`,
+`engram_gate_fwd`, `engram_gate_bwd` and `grad_w_reduce`."""
 
 from __future__ import annotations
 
 import torch
 
 from tkjit import ops
+from tkjit.compat.tile_kernels import config
 from tkjit.compat.tile_kernels._support import as_float, missing, require_kernel, rows_aligned, tensor
 from tkjit.errors import ShapeError, TensorError
 
@@ -83,7 +84,42 @@ def engram_gate_bwd(
     rstd_k: torch.Tensor,
     clamp_value: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    raise missing("engram.engram_gate_bwd", FAMILY)
+    """The Engram gate's backward from grad_out = dL/d out (num_tokens, hc_mult, hidden_size) bfloat16, the
+    forward's inputs (as engram_gate_fwd takes them) and its saved dot, gate_score, rstd_x, rstd_k
+    ((num_tokens, hc_mult) float32) -> (grad_hidden_states, grad_k (num_tokens, hc_mult, hidden_size),
+    grad_v (num_tokens, hidden_size) bfloat16, grad_w_partial (get_num_sms(), hc_mult, hidden_size) float32:
+    weight_fused's gradient summed over each persistent block's tokens, for `grad_w_reduce`). As
+    TileKernels: hc_mult 4, hidden_size a multiple of 512 and at least 1024. Float32 sums in tkjit's
+    order: within float32 rounding of TileKernels' kernel (bf16 outputs within an ulp), not bit for bit.
+    """
+    fn = "engram.engram_gate_bwd"
+    x, k, v, w = _gate_tensors(fn, hidden_states, k, v, weight_fused)
+    clamp_value = as_float(fn, "clamp_value", clamp_value)
+    num_tokens, hc_mult, hidden_size = x.shape
+    tensor(fn, "grad_out", grad_out, (3,), (torch.bfloat16,))
+    if tuple(grad_out.shape) != tuple(x.shape):
+        raise TensorError(f"tile_kernels.{fn}: grad_out has shape {tuple(grad_out.shape)}, expected "
+                          f"{tuple(x.shape)} (hidden_states')")
+    saved = []
+    for name, t in (("dot", dot), ("gate_score", gate_score), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
+        tensor(fn, name, t, (2,), (torch.float32,))
+        if tuple(t.shape) != (num_tokens, hc_mult):
+            raise TensorError(f"tile_kernels.{fn}: {name} has shape {tuple(t.shape)}, expected "
+                              f"{(num_tokens, hc_mult)} (num_tokens, hc_mult)")
+        saved.append(t.contiguous())
+    if hc_mult != 4:
+        raise ShapeError(f"tile_kernels.{fn}: hc_mult (hidden_states.shape[1] = {hc_mult}) must be 4 (TileKernels' "
+                         "backward kernel takes two warps per head of 4)")
+    if hidden_size % 512 or hidden_size < 1024:
+        raise ShapeError(f"tile_kernels.{fn}: hidden_size (hidden_states.shape[2] = {hidden_size}) must be a "
+                         "multiple of 512 and at least 1024")
+    num_partials = config.get_num_sms()
+    require_kernel(fn, FAMILY, "engram_gate_bwd",
+                   {"hc_mult": hc_mult, "hidden_size": hidden_size, "clamp_value": clamp_value,
+                    "num_partials": num_partials},
+                   {**_GATE_NAMES, "num_partials": "num_partials (get_num_sms())"}, {"num_tokens": max(1, num_tokens)})
+    return ops.engram_gate_bwd(rows_aligned(grad_out.contiguous()), x, k, v, w, *saved, clamp_value,
+                               num_partials=num_partials)
 
 
 def grad_w_reduce(
@@ -93,7 +129,47 @@ def grad_w_reduce(
     grad_weight_hidden: torch.Tensor,
     grad_weight_embed: torch.Tensor,
 ) -> None:
-    raise missing("engram.grad_w_reduce", FAMILY)
+    """Finishes the weights' gradients in place: g = grad_w_partial (num_persistent_blocks, hc_mult,
+    hidden_size) float32 summed over its rows (float32, in row order, as TileKernels), then
+    grad_weight_hidden += g * weight_embed and grad_weight_embed += g * weight_hidden (weights (hc_mult,
+    hidden_size) bfloat16, gradients float32, updated in place). As TileKernels: hidden_size a multiple of
+    512, num_persistent_blocks a multiple of 4."""
+    fn = "engram.grad_w_reduce"
+    tensor(fn, "grad_w_partial", grad_w_partial, (3,), (torch.float32,))
+    num_partials, hc_mult, hidden_size = grad_w_partial.shape
+    want = (hc_mult, hidden_size)
+    args = {"weight_hidden": (weight_hidden, torch.bfloat16), "weight_embed": (weight_embed, torch.bfloat16),
+            "grad_weight_hidden": (grad_weight_hidden, torch.float32),
+            "grad_weight_embed": (grad_weight_embed, torch.float32)}
+    for name, (t, dtype) in args.items():
+        tensor(fn, name, t, (2,), (dtype,))
+        if tuple(t.shape) != want:
+            raise TensorError(f"tile_kernels.{fn}: {name} has shape {tuple(t.shape)}, expected {want} (grad_w_partial "
+                              f"is {tuple(grad_w_partial.shape)})")
+        if t.device != grad_w_partial.device:
+            raise TensorError(f"tile_kernels.{fn}: {name} is on {t.device}, grad_w_partial on {grad_w_partial.device}")
+    if hidden_size % 512:
+        raise ShapeError(f"tile_kernels.{fn}: hidden_size (grad_w_partial.shape[2] = {hidden_size}) must be a "
+                         "multiple of 512")
+    if num_partials % 4 or num_partials == 0:
+        raise ShapeError(f"tile_kernels.{fn}: num_persistent_blocks (grad_w_partial.shape[0] = {num_partials}) must "
+                         "be a positive multiple of 4")
+    if hc_mult == 0:
+        return
+    require_kernel(fn, FAMILY, "grad_w_reduce",
+                   {"hc_mult": hc_mult, "hidden_size": hidden_size, "num_partials": num_partials},
+                   {"hc_mult": "hc_mult (grad_w_partial.shape[1])",
+                    "hidden_size": "hidden_size (grad_w_partial.shape[2])",
+                    "num_partials": "num_persistent_blocks (grad_w_partial.shape[0])"})
+    # The gradients are updated in place: a buffer the kernel cannot write in place (not contiguous, or not
+    # on a 16-byte boundary) is accumulated in a contiguous copy and copied back.
+    outs = [g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.contiguous().clone()
+            for g in (grad_weight_hidden, grad_weight_embed)]
+    ops.grad_w_reduce(rows_aligned(grad_w_partial.contiguous()), rows_aligned(weight_hidden.contiguous()),
+                      rows_aligned(weight_embed.contiguous()), *outs)
+    for g, o in zip((grad_weight_hidden, grad_weight_embed), outs):
+        if o is not g:
+            g.copy_(o)
 
 
 _GATE_NAMES = {"hc_mult": "hc_mult (hidden_states.shape[1])", "hidden_size": "hidden_size (hidden_states.shape[2])",
