@@ -75,6 +75,17 @@ def _tk_inputs(n, hidden, seed=0, num_tokens=512, topk=8):
     return x, pos.cuda(), wts.cuda(), pe.cuda(), pad.cuda()
 
 
+def _tk_kernel(tk, *args, **kwargs):
+    """TileKernels' kernel, or a skip where it does not build: its clamp counters are v1 `alloc_reducer`s, which
+    TileLang 0.1.15 refuses ("legacy reducer ... has no T.finalize_reducer"). Its torch references still run."""
+    try:
+        return tk.quant.swiglu_forward_and_per_token_cast(*args, **kwargs)
+    except Exception as e:  # tvm.error.InternalError: a compile failure inside TileKernels
+        if "legacy reducer" not in str(e):
+            raise
+        pytest.skip(f"TileKernels' swiglu_forward_and_per_token_cast does not compile here: {str(e)[-200:]}")
+
+
 @pytest.mark.parametrize("n, hidden", [(4096, 2048), (4001, 4096), (128, 7168)])
 @pytest.mark.parametrize("routed", [False, True])
 @pytest.mark.parametrize("round_sf, col_major, packed", [(False, False, False), (True, True, False),
@@ -95,17 +106,16 @@ def test_matches_tile_kernels(n, hidden, routed, round_sf, col_major, packed):
     cnt, cnt_tk, cnt_ref = (torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(3))
     if routed:
         q, sf = tkc.quant.swiglu_forward_and_per_token_cast(*args, **kw, **flags, clamped_count=cnt)
-        q_tk, sf_tk = tk.quant.swiglu_forward_and_per_token_cast(*args, **kw, **flags, clamped_count=cnt_tk)
         y = tk_swiglu(x, pos, wts, 6.0, cnt_ref)
     else:
         q, sf = tkc.quant.swiglu_forward_and_per_token_cast(*args, **flags)
-        q_tk, sf_tk = tk.quant.swiglu_forward_and_per_token_cast(*args, **flags)
         y = tk_swiglu(x)
     q_ref, sf_ref = tk_cast(y, "e4m3", (1, 128), round_sf=round_sf, use_tma_aligned_col_major_sf=col_major,
                             use_packed_ue8m0=packed)
-    assert sf.shape == sf_ref.shape == sf_tk.shape and sf.stride() == sf_ref.stride() == sf_tk.stride()
-    assert sf.dtype == sf_ref.dtype == sf_tk.dtype
+    assert sf.shape == sf_ref.shape and sf.stride() == sf_ref.stride() and sf.dtype == sf_ref.dtype
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(sf, sf_ref)
+    q_tk, sf_tk = _tk_kernel(tk, *args, **kw, **flags, **(dict(clamped_count=cnt_tk) if routed else {}))
+    assert sf.shape == sf_tk.shape and sf.stride() == sf_tk.stride() and sf.dtype == sf_tk.dtype
     keep = ~pad if routed else torch.ones(n, dtype=torch.bool, device="cuda")
     assert torch.equal(q.view(torch.uint8)[keep], q_tk.view(torch.uint8)[keep])
     assert torch.equal(sf[keep], sf_tk[keep])
@@ -124,7 +134,7 @@ def test_group_hidden_matches_tile_kernels():
 
     x, *_ = _tk_inputs(4001, 2048)
     q, sf = tkc.quant.swiglu_forward_and_per_token_cast(x, "e4m3", 2048)
-    q_tk, sf_tk = tk.quant.swiglu_forward_and_per_token_cast(x, "e4m3", 2048)
+    q_tk, sf_tk = _tk_kernel(tk, x, "e4m3", 2048)
     assert torch.equal(q.view(torch.uint8), q_tk.view(torch.uint8)) and torch.equal(sf, sf_tk)
 
 
@@ -149,8 +159,10 @@ def test_empty_batch():
 @pytest.mark.parametrize("routed", [False, True])
 def test_opcheck_on_cuda(routed):
     x, pos, wts, pe, _ = _tk_inputs(256, 1024)
+    # Unrouted: every argument up to the mutated clamped_count spelled out (None), as tkjit.ops passes them:
+    # torch 2.11's ADInplaceOrView kernel indexes the mutated argument by position (IndexError when defaulted).
     args = (x, pos, wts, pe, torch.zeros(3, dtype=torch.int64, device="cuda"), 128, True, True, 4.0) if routed \
-        else (x,)
+        else (x, None, None, None, None)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     result = torch.library.opcheck(torch.ops.tkjit.swiglu_forward_and_per_token_cast.default, args, test_utils=tests)
     assert result == dict.fromkeys(tests, "SUCCESS"), result
