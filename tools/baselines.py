@@ -1079,7 +1079,7 @@ SHAPES.update({name: list(_MIXES_SHAPES) for name in ("mhc_head_compute_mix", "m
 # -- swiglu_forward_and_per_token_cast ------------------------------------------------------------------
 # Inputs as the spec's make_inputs gives them: x (num_tokens, 2 * hidden), then pos_to_token_topk and the flat
 # topk_weights (has_weights), pos_to_expert (has_expert), clamped_count. Odd seeds put out-of-range map entries
-# in, which TileKernels would read out of bounds: the bench draws seed 0.
+# in, which TileKernels would read out of bounds: its baseline gets them as -1 (padding, weight 0 in both).
 
 def _swiglu_cast_torch(shape):
     from tkjit_kernels.quant.swiglu_forward_and_per_token_cast import reference
@@ -1094,6 +1094,8 @@ def _swiglu_cast_tk(shape, inputs):
 
     x, *rest = inputs
     pos, wts = (rest.pop(0), rest.pop(0).view(-1, 1)) if shape["has_weights"] else (None, None)
+    if pos is not None:  # odd seeds' out-of-range positions weigh 0 in tkjit; TileKernels would read past the table
+        pos = torch.where((pos >= 0) & (pos < wts.shape[0]), pos, torch.full_like(pos, -1))
     pe = rest.pop(0) if shape["has_expert"] else None
     counter = rest.pop(0) if shape["count_clamp"] else None
     clamp = shape["swiglu_clamp_value"] or None

@@ -128,7 +128,14 @@ def main() -> int:
     ceiling = copy_ceiling_gbs()
     rows = []
     for name in names:
-        rows += bench_kernel(name, shapes[name], args.reps, ceiling, not args.no_compile)
+        try:
+            rows += bench_kernel(name, shapes[name], args.reps, ceiling, not args.no_compile)
+        except Exception as e:  # the table so far is kept; a CUDA fault poisons the context: stop there
+            rows.append(_row(name, "-", "-", None, None, 0, ceiling, f"failed: {type(e).__name__}: {e}"))
+            print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+            if isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e):
+                print("CUDA context lost: the kernels after this one are not measured", file=sys.stderr)
+                break
     meta = {
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
         "copy_ceiling_gbs": round(ceiling, 1), "torch": torch.__version__, "tkjit": tkjit.__version__,
