@@ -15,6 +15,16 @@ def _has_cuda() -> bool:
 HAS_CUDA = _has_cuda()
 
 
+def pytest_runtest_logreport(report):
+    """TKJIT_INSTAFAIL=1: a failure's traceback is printed as it happens, not only in the summary at the end, so
+    a run killed at its time limit (the GPU leases) keeps the messages of the failures before the kill."""
+    if report.failed and os.environ.get("TKJIT_INSTAFAIL") == "1":
+        import sys
+
+        sys.__stderr__.write(f"\n!!! FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n")
+        sys.__stderr__.flush()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

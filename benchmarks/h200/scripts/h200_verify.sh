@@ -33,7 +33,7 @@ source .gpu/env.sh
 # a source checkout, not pip-installed: the specs import as tkjit_kernels (pyproject maps kernel_specs/ to that name)
 mkdir -p /tmp/tkjit-src && ln -sfn "$PWD/kernel_specs" /tmp/tkjit-src/tkjit_kernels
 export PYTHONPATH="/tmp/tkjit-src:$PYTHONPATH"
-export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16
+export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16 TKJIT_INSTAFAIL=1  # failure messages survive a kill
 mkdir -p "$OUT"
 PYTEST="python -m pytest -p no:cacheprovider -rfE -v --tb=short --durations=8"
 NCU="ncu --clock-control none --set detailed --launch-skip 3 --launch-count 1"
