@@ -383,3 +383,96 @@ def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     out = EngramGateFunction.apply(hidden_states.reshape(-1, m, h), k.reshape(-1, m, h), v.reshape(-1, h),
                                    weight_hidden, weight_embed, clamp_value, eps, num_partials)
     return out.view(hidden_states.shape)
+
+
+# -- mhc_pre_norm_fn -----------------------------------------------------------------------------------
+# The eager pair, as MhcPostFunction (torch.compile and FakeTensors take torch.ops.tkjit.mhc_pre_norm_fn, whose
+# autograd tkjit/torch_ops.py registers, with a fresh residual gradient). TileKernels' MHCPreNormFn: with
+# fuse_grad_acc the residual's gradient is added in place into the one mhc_post's backward left on the
+# residual's storage (`grad_from_mhc_post`, then deleted) and the residual gets None. Where TileKernels would
+# fail (fuse_grad_acc and no such gradient), tkjit returns a fresh gradient instead. _FnNormwMerge is
+# TileKernels' _MHCFnNormwMerge: fn * norm_weight, whose gradients go into a `main_grad` buffer in place when
+# the parameter has one (None returned for it).
+
+
+class MhcPreNormFnFunction(torch.autograd.Function):
+    """Eager mhc_pre_norm_fn / mhc_pre_norm_fn_bwd on x (num_tokens, K) bf16, fn (M, K) float32 -> (num_tokens, M)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, norm_eps, fuse_grad_acc, config, bwd_config):
+        out, out_mul, sqrsum = torch_ops.mhc_pre_norm_fn_impl(x, fn, norm_eps, config)
+        ctx.save_for_backward(x, fn, out_mul, sqrsum)
+        ctx.args = (float(norm_eps), bool(fuse_grad_acc), bwd_config)
+        return out
+
+    @staticmethod
+    def backward(ctx, out_grad):
+        x, fn, out_mul, sqrsum = ctx.saved_tensors
+        norm_eps, fuse, bwd_config = ctx.args
+        storage = x.untyped_storage()
+        acc = pre_norm_fn_residual_grad(x) if fuse else None
+        with torch.no_grad():
+            x_grad, fn_grad = torch_ops.mhc_pre_norm_fn_bwd_impl(out_grad.float().contiguous(), out_mul, sqrsum, x,
+                                                                fn, norm_eps, bwd_config, x_grad=acc)
+        if acc is not None:
+            del storage.grad_from_mhc_post
+            x_grad = None
+        deps = (out_grad, x, fn)
+        return _once("mhc_pre_norm_fn", x_grad, *deps), _once("mhc_pre_norm_fn", fn_grad, *deps), None, None, None, None
+
+
+def pre_norm_fn_residual_grad(x: torch.Tensor) -> torch.Tensor | None:
+    """mhc_post's residual gradient on x's storage (`grad_from_mhc_post`) viewed as x (num_tokens, K) bf16, or
+    None when there is none."""
+    acc = getattr(x.untyped_storage(), "grad_from_mhc_post", None)
+    if acc is None:
+        return None
+    if not isinstance(acc, torch.Tensor) or acc.dtype != torch.bfloat16 or acc.numel() != x.numel() \
+            or not acc.is_contiguous() or acc.device != x.device:
+        raise TensorError(
+            f"mhc_pre_norm_fn: residual.untyped_storage().grad_from_mhc_post must be a contiguous bfloat16 tensor of "
+            f"the residual's {x.numel()} elements on {x.device}, got {getattr(acc, 'dtype', type(acc).__name__)} "
+            f"{tuple(getattr(acc, 'shape', ()))}"
+        )
+    return acc.view(x.shape)
+
+
+class FnNormwMergeFunction(torch.autograd.Function):
+    """fn (M, K) * norm_weight (K,) float32; gradients into `main_grad` buffers in place where present."""
+
+    @staticmethod
+    def forward(ctx, fn, norm_weight):
+        ctx.main = (getattr(fn, "main_grad", None), getattr(norm_weight, "main_grad", None))
+        ctx.save_for_backward(fn, norm_weight)
+        return fn * norm_weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        fn, norm_weight = ctx.saved_tensors
+        fn_main, w_main = ctx.main
+        with torch.no_grad():
+            fn_grad = grad * norm_weight
+            w_grad = (grad * fn).sum(0)
+            if fn_main is not None:
+                fn_main.add_(fn_grad)
+                fn_grad = None
+            if w_main is not None:
+                w_main.add_(w_grad)
+                w_grad = None
+        return fn_grad, w_grad
+
+
+def mhc_pre_norm_fn_flat(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, fuse_grad_acc: bool = True,
+                         fwd_config=None, bwd_config=None) -> torch.Tensor:
+    """Differentiable mhc_pre_norm_fn on the kernel's x (num_tokens, K) bf16 and fn (M, K) float32."""
+    args = (float(norm_eps), encode_config(fwd_config), encode_config(bwd_config))
+    if plain(x) and plain(fn):
+        return MhcPreNormFnFunction.apply(x, fn, args[0], bool(fuse_grad_acc), *args[1:])
+    return torch.ops.tkjit.mhc_pre_norm_fn.default(x, fn, *args)[0]
+
+
+def fn_normw_merge(fn: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """fn * norm_weight (TileKernels' _MHCFnNormwMerge: `main_grad` buffers take the gradients in place)."""
+    if plain(fn) and plain(norm_weight):
+        return FnNormwMergeFunction.apply(fn, norm_weight)
+    return fn * norm_weight

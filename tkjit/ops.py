@@ -903,3 +903,46 @@ def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     from tkjit.autograd import engram_gate as _engram_gate
 
     return _engram_gate(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps)
+
+
+# -- mhc_pre_norm_fn ---------------------------------------------------------------------------------
+
+def check_pre_norm_fn(fn: str, residual, mhc_fn, mhc_norm_weight) -> tuple[int, int]:
+    """TensorError / ShapeError naming the bad argument of mhc_pre_norm_fn: residual (..., mhc_mult, hidden)
+    bf16, mhc_fn (M, mhc_mult * hidden) float32 (M <= 80), mhc_norm_weight None or (mhc_mult * hidden,) float32,
+    on residual's device. Returns (M, K)."""
+    _mhc_tensor(fn, "residual", residual, 2, torch.bfloat16, "(..., mhc_mult, hidden)")
+    k = residual.shape[-1] * residual.shape[-2]
+    _mhc_tensor(fn, "mhc_fn", mhc_fn, 2, torch.float32, f"of shape (M, {k})")
+    if mhc_fn.dim() != 2 or mhc_fn.shape[1] != k:
+        raise TensorError(f"{fn}: mhc_fn must have shape (M, mhc_mult * hidden = {k}) (residual is "
+                          f"{tuple(residual.shape)}), got {tuple(mhc_fn.shape)}")
+    if mhc_fn.device != residual.device:
+        raise TensorError(f"{fn}: mhc_fn is on {mhc_fn.device}, residual on {residual.device}")
+    if not 1 <= mhc_fn.shape[0] <= 80:
+        raise ShapeError(f"{fn}: mhc_fn must have 1 to 80 rows (mhc_mult * (mhc_mult + 2)), got {mhc_fn.shape[0]}")
+    if k % 32:
+        raise ShapeError(f"{fn}: mhc_mult * hidden = {k} must be a multiple of 32")
+    if mhc_norm_weight is not None:
+        _mix_param(fn, "mhc_norm_weight", mhc_norm_weight, (k,), residual.device)
+    return mhc_fn.shape[0], k
+
+
+def mhc_pre_norm_fn(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None,
+                    mhc_norm_eps: float, fuse_grad_acc: bool = True, *, config=None,
+                    bwd_config=None) -> torch.Tensor:
+    """residual (..., mhc_mult, hidden) bf16, mhc_fn (M, mhc_mult * hidden) float32 (times mhc_norm_weight when
+    given) -> (..., M) float32 = (x @ tf32(fn)^T) * rsqrt(mean(x**2) + mhc_norm_eps), x the token's flattened
+    residual (TileKernels' mhc_pre_norm_fn). Differentiable in residual, mhc_fn and mhc_norm_weight (the gradient
+    runs mhc_pre_norm_fn_bwd); fuse_grad_acc: the residual's gradient goes into mhc_post's (see autograd)."""
+    from tkjit.autograd import fn_normw_merge, mhc_pre_norm_fn_flat
+
+    m3, k = check_pre_norm_fn("mhc_pre_norm_fn", residual, mhc_fn, mhc_norm_weight)
+    x = residual.reshape(-1, k).contiguous()  # a contiguous residual's own storage (fuse_grad_acc reads it)
+    fn = mhc_fn if mhc_norm_weight is None else fn_normw_merge(mhc_fn, mhc_norm_weight)
+    fn = fn.contiguous()
+    if _eager(x, fn):
+        out = torch_ops.mhc_pre_norm_fn_impl(x, fn, float(mhc_norm_eps), encode_config(config))[0]
+    else:
+        out = mhc_pre_norm_fn_flat(x, fn, mhc_norm_eps, fuse_grad_acc, config, bwd_config)
+    return out.view(*residual.shape[:-2], m3)

@@ -2165,3 +2165,128 @@ def _engram_gate_no_double_backward(ctx, *grads):
 
 engram_gate_fwd.register_autograd(_engram_gate_backward, setup_context=_engram_gate_setup_context)
 engram_gate_bwd.register_autograd(_engram_gate_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# -- mhc_pre_norm_fn ---------------------------------------------------------------------------------
+# torch.ops.tkjit.mhc_pre_norm_fn(x, fn, norm_eps, config=None, bwd_config=None)      # differentiable in x, fn
+#     -> (out, out_mul, sqrsum)
+# torch.ops.tkjit.mhc_pre_norm_fn_bwd(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None) -> (x_grad, fn_grad)
+# on the flattened tokens: x (num_tokens, K) bf16, fn (M, K) float32 -> out, out_mul (num_tokens, M), sqrsum
+# (num_tokens,) float32 (out_mul and sqrsum are what the backward reads; they get no gradient). fn is rounded to
+# TF32 first, as TileKernels' op does before its TF32 GEMM; the backward rounds its GEMM operand
+# mul_grad = out_grad * rms the same way. The norm's backward (M + 1 values a token) runs in torch here; the
+# backward kernel does the GEMMs and writes per-range partials of fn's gradient, which the op sums in float32.
+
+PRE_NORM_FN_PARTIALS = 16
+
+
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to TF32 (10 mantissa bits), half away from zero: TileKernels' `round_to_tf32` (+0x1000 on
+    the bits) followed by the tensor core's truncation of the low 13 bits."""
+    return ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
+def _norm_fn_static(name, x, fn) -> dict:
+    _need(x, (2,), f"{name}: x")
+    _need(fn, (2,), f"{name}: fn")
+    if fn.shape[1] != x.shape[1]:
+        raise TensorError(f"{name}: fn must have x's {x.shape[1]} columns, got shape {tuple(fn.shape)}")
+    return {"mhc_mult3": int(fn.shape[0]), "mhc_hidden": int(x.shape[1])}
+
+
+def mhc_pre_norm_fn_impl(x, fn, norm_eps, config=None, bwd_config=None):
+    """(out, out_mul, sqrsum) float32 of x (num_tokens, K) bf16 and fn (M, K) float32 (rounded to TF32 here)."""
+    static = _norm_fn_static("mhc_pre_norm_fn", x, fn)
+    shape = {"num_tokens": max(1, int(x.shape[0])), **static, "norm_eps": float(norm_eps)}
+    k = get("mhc_pre_norm_fn", shape, arch=arch_of(x), config=_config(config))
+    if x.shape[0] == 0:
+        n, m = 0, static["mhc_mult3"]
+        return x.new_empty((n, m), dtype=torch.float32), x.new_empty((n, m), dtype=torch.float32), \
+            x.new_empty((n,), dtype=torch.float32)
+    return k(x, tf32_round(fn.contiguous()))
+
+
+mhc_pre_norm_fn = torch.library.custom_op(
+    "tkjit::mhc_pre_norm_fn", mutates_args=(),
+    schema="(Tensor x, Tensor fn, float norm_eps, str? config=None, str? bwd_config=None) -> (Tensor, Tensor, Tensor)",
+)(mhc_pre_norm_fn_impl)
+
+
+@mhc_pre_norm_fn.register_fake
+def _(x, fn, norm_eps, config=None, bwd_config=None):
+    static = {**_norm_fn_static("mhc_pre_norm_fn", x, fn), "norm_eps": float(norm_eps)}
+    _fake_check("mhc_pre_norm_fn", static, x, fn)
+    n, m = x.shape[0], fn.shape[0]
+    return x.new_empty((n, m), dtype=torch.float32), x.new_empty((n, m), dtype=torch.float32), \
+        x.new_empty((n,), dtype=torch.float32)
+
+
+def pre_norm_fn_grads(out_grad, out_mul, sqrsum, k: int, norm_eps: float):
+    """TileKernels' norm backward, in torch: (mul_grad = tf32(out_grad * rms), sqrsum_grad = <out_grad, out_mul> *
+    rms / (sqrsum + eps * K) / -2), rms = rsqrt(sqrsum / K + eps), float32."""
+    rms = torch.rsqrt(sqrsum / k + norm_eps)
+    mul_grad = tf32_round((out_grad * rms.unsqueeze(-1)).contiguous())
+    sqrsum_grad = (out_grad * out_mul).sum(-1) * rms / (sqrsum + norm_eps * k) / -2
+    return mul_grad, sqrsum_grad.contiguous()
+
+
+def mhc_pre_norm_fn_bwd_impl(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None, x_grad=None):
+    """(x_grad bf16, fn_grad float32) of mhc_pre_norm_fn given out's gradient (num_tokens, M) float32; x_grad,
+    when given (bf16, x's shape, contiguous), is added into in place (TileKernels' fuse_grad_acc)."""
+    static = _norm_fn_static("mhc_pre_norm_fn_bwd", x, fn)
+    n = int(x.shape[0])
+    if x_grad is None:
+        x_grad = torch.zeros_like(x)
+    if n == 0:
+        return x_grad, torch.zeros_like(fn)
+    shape = {"num_tokens": n, **static, "num_partials": PRE_NORM_FN_PARTIALS}
+    k = get("mhc_pre_norm_fn_bwd", shape, arch=arch_of(x), config=_config(config))
+    mul_grad, sqrsum_grad = pre_norm_fn_grads(out_grad.float(), out_mul, sqrsum, static["mhc_hidden"], float(norm_eps))
+    x_grad, partial = k(mul_grad, sqrsum_grad, x, tf32_round(fn.contiguous()), x_grad)
+    return x_grad, partial.sum(0)
+
+
+def _pre_norm_fn_bwd_op(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None):
+    return mhc_pre_norm_fn_bwd_impl(out_grad, out_mul, sqrsum, x, fn, norm_eps, config)
+
+
+mhc_pre_norm_fn_bwd = torch.library.custom_op(
+    "tkjit::mhc_pre_norm_fn_bwd", mutates_args=(),
+    schema="(Tensor out_grad, Tensor out_mul, Tensor sqrsum, Tensor x, Tensor fn, float norm_eps, str? config=None) "
+           "-> (Tensor, Tensor)",
+)(_pre_norm_fn_bwd_op)
+
+
+@mhc_pre_norm_fn_bwd.register_fake
+def _(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None):
+    name = "mhc_pre_norm_fn_bwd"
+    static = {**_norm_fn_static(name, x, fn), "num_partials": PRE_NORM_FN_PARTIALS}
+    for what, t, shape in (("out_grad", out_grad, (x.shape[0], fn.shape[0])),
+                           ("out_mul", out_mul, (x.shape[0], fn.shape[0])), ("sqrsum", sqrsum, (x.shape[0],))):
+        msg = f"{name}: {what} must have shape {tuple(shape)}"
+        torch._check(tuple(t.shape) == tuple(shape), lambda msg=msg: msg)
+    _fake_check(name, static, out_mul, sqrsum, x, fn)
+    return torch.empty_like(x), torch.empty_like(fn)
+
+
+def _pre_norm_fn_setup_context(ctx, inputs, output):
+    x, fn, norm_eps, _, bwd_config = inputs
+    _, out_mul, sqrsum = output
+    ctx.mark_non_differentiable(out_mul, sqrsum)
+    ctx.save_for_backward(x, fn, out_mul, sqrsum)
+    ctx.args = (float(norm_eps), bwd_config)
+
+
+def _pre_norm_fn_backward(ctx, out_grad, *_):
+    x, fn, out_mul, sqrsum = ctx.saved_tensors
+    norm_eps, bwd_config = ctx.args
+    if out_grad is None:
+        out_grad = out_mul.new_zeros(out_mul.shape)
+    x_grad, fn_grad = torch.ops.tkjit.mhc_pre_norm_fn_bwd.default(out_grad.float().contiguous(), out_mul, sqrsum, x,
+                                                                 fn, norm_eps, bwd_config)
+    return x_grad, fn_grad, None, None, None
+
+
+mhc_pre_norm_fn.register_autograd(_pre_norm_fn_backward, setup_context=_pre_norm_fn_setup_context)
+mhc_pre_norm_fn_bwd.register_autograd(_no_double_backward_of("mhc_pre_norm_fn"),
+                                      setup_context=lambda ctx, inputs, output: None)

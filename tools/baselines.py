@@ -1251,3 +1251,56 @@ TILE_KERNELS.update({"engram_gate_bwd": _engram_gate_bwd_tk, "grad_w_reduce": _g
 SHAPES["engram_gate_bwd"] = [{"num_tokens": n, "hc_mult": 4, "hidden_size": h} for h in (7168, 4096)
                              for n in (4096, 16384)]
 SHAPES["grad_w_reduce"] = [{"hc_mult": 4, "hidden_size": h} for h in (7168, 4096)]
+
+
+# -- mhc_pre_norm_fn -----------------------------------------------------------------------------------
+# Inputs as the specs' make_inputs give them: x (num_tokens, K) bf16 and fn (M, K) float32 (the forward); the
+# backward's mul_grad, sqrsum_grad, x, fn, x_grad. TileKernels' forward row runs its op (two kernels: the TF32
+# GEMM, then the norm; fn's TF32 rounding in torch) on x viewed as (num_tokens, mhc_mult, hidden); its backward
+# has no row (its kernels need the op's saved tensors: time it through the GPU tests' autograd runs).
+
+def _norm_fn_torch(shape):
+    eps, k = shape.get("norm_eps", 1e-6), shape["mhc_hidden"]
+
+    def f(x, fn):
+        xf = x.float()
+        out_mul = xf @ fn.T
+        sqrsum = xf.square().sum(-1)
+        return out_mul * torch.rsqrt(sqrsum / k + eps).unsqueeze(-1), out_mul, sqrsum
+
+    return f
+
+
+def _norm_fn_bwd_torch(shape):
+    def f(mul_grad, sqrsum_grad, x, fn, x_grad):
+        xf = x.float()
+        x_grad.copy_((x_grad.float() + mul_grad @ fn + 2 * xf * sqrsum_grad.unsqueeze(-1)).to(x_grad.dtype))
+        return x_grad, mul_grad.T @ xf
+
+    return f
+
+
+def _norm_fn_tk(shape, inputs):
+    m3 = shape["mhc_mult3"]
+    m = next((m for m in range(1, 9) if m * (m + 2) == m3), None)
+    if _tile_kernels() is None or m != 4:
+        return None
+    from tile_kernels.modeling.mhc.ops import mhc_pre_norm_fn
+
+    x, fn = inputs
+    residual = x.view(x.shape[0], m, x.shape[1] // m)
+    eps = shape.get("norm_eps", 1e-6)
+
+    def run():
+        with torch.no_grad():
+            return mhc_pre_norm_fn(residual, fn, None, eps, fuse_grad_acc=False)
+
+    return run
+
+
+TORCH.update({"mhc_pre_norm_fn": _norm_fn_torch, "mhc_pre_norm_fn_bwd": _norm_fn_bwd_torch})
+TILE_KERNELS.update({"mhc_pre_norm_fn": _norm_fn_tk})
+# mhc_mult 4 (M = 24), hidden 4096 and 7168 (K = 16384, 28672), 1K to 8K tokens; mhc_mult 8 (M = 80) once.
+_NORM_FN_SHAPES = [{"num_tokens": t, "mhc_mult3": 24, "mhc_hidden": k} for k in (16384, 28672)
+                   for t in (1024, 4096, 8192)] + [{"num_tokens": 4096, "mhc_mult3": 80, "mhc_hidden": 32768}]
+SHAPES.update({name: list(_NORM_FN_SHAPES) for name in ("mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd")})

@@ -1,8 +1,9 @@
 """TileKernels' `modeling.mhc.ops`: the mHC ops. tkjit serves `sinkhorn_normalize` (its sinkhorn_fwd /
 sinkhorn_bwd kernels), `expand_to_mhc` (expand_to_mhc / expand_to_mhc_bwd), `mhc_pre_apply_mix`
 (pre_apply_mix / pre_apply_mix_bwd[_acc]), `mhc_post`, `mhc_post_fwd`, `mhc_post_bwd` (its mhc_post_fwd /
-mhc_post_bwd kernels), `mhc_head_compute_mix` (mhc_head_compute_mix / mhc_head_compute_mix_bwd) and
-`mhc_pre_split_mixes` (mhc_pre_split_mixes / mhc_pre_split_mixes_bwd); the others raise NotImplementedError
+mhc_post_bwd kernels), `mhc_head_compute_mix` (mhc_head_compute_mix / mhc_head_compute_mix_bwd),
+`mhc_pre_split_mixes` (mhc_pre_split_mixes / mhc_pre_split_mixes_bwd) and `mhc_pre_norm_fn` (mhc_pre_norm_fn /
+mhc_pre_norm_fn_bwd); the others raise NotImplementedError
 naming them."""
 
 from __future__ import annotations
@@ -99,7 +100,35 @@ def mhc_pre_norm_fn(
     fuse_grad_acc: bool = True,
     n_splits: int = 16,
 ) -> torch.Tensor:
-    raise missing("modeling.mhc.ops.mhc_pre_norm_fn", FAMILY)
+    """Differentiable mHC pre norm_fn: residual (..., mhc_mult, hidden) bf16, mhc_fn (M, mhc_mult * hidden) float32
+    (M = mhc_mult * (mhc_mult + 2); times mhc_norm_weight (mhc_mult * hidden,) float32 when given) -> (..., M)
+    float32 = (x @ tf32(fn)^T) * rsqrt(sum(x**2) / (mhc_mult * hidden) + mhc_norm_eps), x a token's flattened
+    residual. As TileKernels' kernel, fn is rounded to TF32 (half away from zero) and the GEMM then sums exact
+    products in float32, so the results agree with TileKernels' to float32 rounding (another summation order) and
+    with its float32 torch reference to TF32 rounding (about 3e-4 relative). n_splits (split-K) is accepted and,
+    as in TileKernels' op, does not change the computation.
+
+    Gradients for residual, mhc_fn and mhc_norm_weight (TileKernels' MHCPreNormFn / _MHCFnNormwMerge, the GEMM
+    operand out_grad * rms rounded to TF32 as there): with fuse_grad_acc the residual's gradient is added in place
+    into the one mhc_post's backward left on its storage (`residual.untyped_storage().grad_from_mhc_post`, then
+    deleted) and residual gets None; where there is none (TileKernels then fails) residual gets a fresh
+    gradient. With mhc_norm_weight, a `main_grad` buffer on mhc_fn or mhc_norm_weight takes its gradient in place
+    (None returned for it). Under torch.compile (or FakeTensor inputs) it is tkjit's custom op, which returns a
+    fresh residual gradient (no storage attribute there).
+    """
+    fn = "modeling.mhc.ops.mhc_pre_norm_fn"
+    eps = as_float(fn, "mhc_norm_eps", mhc_norm_eps)
+    n_splits = as_int(fn, "n_splits", n_splits)
+    if n_splits < 1:
+        raise TensorError(f"tile_kernels.{fn}: n_splits must be >= 1, got {n_splits}")
+    if not isinstance(fuse_grad_acc, bool):
+        raise TensorError(f"tile_kernels.{fn}: fuse_grad_acc must be a bool, got {fuse_grad_acc!r}")
+    m3, k = ops.check_pre_norm_fn(f"tile_kernels.{fn}", residual, mhc_fn, mhc_norm_weight)
+    require_kernel(fn, FAMILY, "mhc_pre_norm_fn", {"mhc_mult3": m3, "mhc_hidden": k, "norm_eps": eps},
+                   {"mhc_mult3": "mhc_mult3 (mhc_fn.shape[0])", "mhc_hidden": "mhc_hidden (mhc_fn.shape[1])",
+                    "norm_eps": "mhc_norm_eps"},
+                   {"num_tokens": max(1, residual.numel() // max(1, k))})
+    return ops.mhc_pre_norm_fn(residual, mhc_fn, mhc_norm_weight, eps, fuse_grad_acc)
 
 
 def _post_args(fn: str, x, residual, post_layer_mix, comb_res_mix) -> tuple[int, int, int, int]:

@@ -1,0 +1,209 @@
+"""mhc_pre_norm_fn: mHC's RMS-normed mixes GEMM (the kernel half of TileKernels' `mhc_pre_norm_fn`).
+
+x (num_tokens, K) bfloat16, a token's flattened residual (K = mhc_mult * hidden), fn (M, K) float32
+(M = mhc_mult * (mhc_mult + 2) rows of mixes weights) ->
+  out     (num_tokens, M)  out_mul * rsqrt(sqrsum / K + norm_eps)
+  out_mul (num_tokens, M)  x @ fn^T                   (saved for the backward)
+  sqrsum  (num_tokens,)    sum of x**2 over the row   (saved for the backward)
+float32, TileKernels' torch reference `mhc_pre_norm_fn_ref` (one RMS group), whose kernel returns out and
+saves the other two.
+
+TileKernels runs the GEMM on TF32 tensor cores with fn rounded to TF32 first (`round_to_tf32`: +0x1000 on
+the bits, the tensor core then drops the low 13: round half away from zero); bf16 x is exact in TF32 and a
+bf16 * TF32 product is exact in float32, so its GEMM is exactly float32 sums of x * tf32(fn). The op
+(`tkjit.torch_ops.mhc_pre_norm_fn_impl`) does that rounding; this kernel takes fn as given and sums
+float32 products of it on the CUDA cores: the GEMM is 2 * M flops per bf16 element read (48 at mhc_mult
+4), memory-bound on the H200 either way, and needs no tensor-core layouts. TileKernels' n_splits (split-K)
+is a hint its own op ignores (it sets n_splits = 1); so does this one.
+
+One warp per `tokens_per_warp` tokens: a lane walks the row's columns lane * vec + 32 * vec * i, keeps M + 1
+float32 sums per token (the mixes and the square sum), and the warp adds its lanes' sums with shuffles.
+A block holds `warps` warps; fn is read from global memory (L1/L2: 1.5 MB at mhc_mult 4, hidden 4096),
+once per warp for its tokens_per_warp tokens. float64 reference rounded once; rtol 1e-5. CUDA only.
+"""
+
+from tkjit.registry import register
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+
+MAX_M = 80  # rows of fn (M = 24 at mhc_mult 4, 80 at mhc_mult 8)
+
+RUNTIME = Runtime("num_tokens", hi=1 << 26,
+                  doc="tokens (TileKernels' n0 * n1); runtime size, tuned per power-of-two bucket")
+PARAMS = (
+    RUNTIME,
+    Static("mhc_mult3", lo=1, hi=MAX_M, default=24, doc="rows of fn: mhc_mult * (mhc_mult + 2)"),
+    Static("mhc_hidden", lo=32, hi=1 << 20, default=16384, doc="K: a token's flattened residual, mhc_mult * hidden"),
+    Static("norm_eps", type=float, lo=0.0, hi=1.0, default=1e-6, doc="RMS norm epsilon"),
+)
+VECS = (1, 2, 4, 8)
+
+
+def arch_constraint(arch, c, shape):
+    if arch == "cpu":
+        return "bfloat16 rows, warp shuffles and the thread index: TileLang's C target has none (CUDA only)"
+    return None
+
+
+def pass_configs(c):
+    # IEEE float32 maths (TileKernels' kernels do not use fast math either).
+    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+
+
+def check_shape(shape):
+    if shape["mhc_hidden"] % 32:
+        return f"mhc_hidden={shape['mhc_hidden']} must be a multiple of 32 (a warp's lanes split each row evenly)"
+    return None
+
+
+COMMON = dict(family="mhc", pass_configs=pass_configs, arch_constraint=arch_constraint, check_shape=check_shape,
+              tolerance=Tolerance(rtol=1e-5))
+
+
+def _widest_vec(k: int, cap: int = 8) -> int:
+    return next(v for v in (8, 4, 2, 1) if v <= cap and k % (32 * v) == 0)
+
+
+def default(shape):
+    # 8 bf16 (16 bytes) per lane access where the row allows; 2 tokens per warp share each fn load; 4 warps
+    # (8 tokens) a block: 8K tokens are 1024 blocks.
+    tpw = 2 if shape["mhc_mult3"] <= 40 else 1
+    return {"warps": 4, "tokens_per_warp": tpw, "vec": _widest_vec(shape["mhc_hidden"])}
+
+
+def constraint(shape, c):
+    k, m, v, tpw = shape["mhc_hidden"], shape["mhc_mult3"], c["vec"], c["tokens_per_warp"]
+    if k % (32 * v):
+        return f"vec={v}: mhc_hidden={k} is not a multiple of 32 * vec (one warp access of vec elements a lane)"
+    if tpw * (m + 1) + tpw * v > 160:
+        return f"tokens_per_warp={tpw} keeps {tpw * (m + 1)} float32 sums a lane at mhc_mult3={m}: too many registers"
+    return None
+
+
+SPACE = {"warps": (1, 2, 4, 8), "tokens_per_warp": (1, 2, 4, 8), "vec": VECS}
+
+
+def build(shape, c):
+    from tilelang import language as T
+
+    M, K, eps = shape["mhc_mult3"], shape["mhc_hidden"], shape["norm_eps"]
+    warps, tpw, v = c["warps"], c["tokens_per_warp"], c["vec"]
+    threads, bt, chunk = 32 * warps, warps * tpw, 32 * v
+    S = M + 1  # sums per token: the M mixes, then the square sum
+    num_tokens = T.dynamic("num_tokens")
+    f32, bf16 = T.float32, T.bfloat16
+
+    @T.prim_func
+    def mhc_pre_norm_fn(
+        x: T.Tensor[(num_tokens, K), bf16],
+        fn: T.Tensor[(M, K), f32],
+        out: T.Tensor[(num_tokens, M), f32],
+        out_mul: T.Tensor[(num_tokens, M), f32],
+        sqrsum: T.Tensor[(num_tokens,), f32],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, bt), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            first = bx * bt + (tx // 32) * tpw  # this warp's first token
+            acc = T.alloc_local((tpw * S,), f32)
+            xb = T.alloc_local((v,), bf16)
+            xs = T.alloc_local((tpw * v,), f32)
+            fs = T.alloc_local((v,), f32)
+            rms = T.alloc_local((1,), f32)
+            for i in T.unroll(tpw * S):
+                acc[i] = T.float32(0)
+            for ch in T.serial(K // chunk):
+                col = ch * chunk + lane * v
+                for t in T.unroll(tpw):
+                    tok = T.min(first + t, num_tokens - 1)  # tail tokens: a valid row, nothing stored
+                    for e in T.vectorized(v):
+                        xb[e] = x[tok, col + e]
+                    for e in T.unroll(v):
+                        xs[t * v + e] = T.cast(xb[e], f32)
+                        acc[t * S + M] = acc[t * S + M] + xs[t * v + e] * xs[t * v + e]
+                for m in T.unroll(M):
+                    for e in T.vectorized(v):
+                        fs[e] = fn[m, col + e]
+                    for t in T.unroll(tpw):
+                        for e in T.unroll(v):
+                            acc[t * S + m] = acc[t * S + m] + xs[t * v + e] * fs[e]
+            for i in T.unroll(tpw * S):
+                acc[i] = T.warp_reduce_sum(acc[i])
+            if lane == 0:
+                for t in T.unroll(tpw):
+                    if first + t < num_tokens:
+                        rms[0] = T.rsqrt(acc[t * S + M] / T.float32(K) + T.float32(eps))
+                        sqrsum[first + t] = acc[t * S + M]
+                        for m in T.unroll(M):
+                            out_mul[first + t, m] = acc[t * S + m]
+                            out[first + t, m] = acc[t * S + m] * rms[0]
+
+    return mhc_pre_norm_fn
+
+
+def random_inputs(shape, device="cpu", seed=0):
+    """x (num_tokens, K) bf16 and fn (M, K) float32, standard normal as TileKernels' tests draw them (fn scaled
+    by 1 / sqrt(K), so the mixes are O(1)). Odd seeds scale each token's row by 2^k, k in [-8, 8], and zero
+    one token's row (its rms is 1 / sqrt(eps))."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n, m, k = shape["num_tokens"], shape["mhc_mult3"], shape["mhc_hidden"]
+    x = torch.randn(n, k, generator=gen)
+    fn = torch.randn(m, k, generator=gen) / k ** 0.5
+    if seed % 2:
+        x = x * torch.exp2(torch.randint(-8, 9, (n, 1), generator=gen).float())
+        x[n // 2] = 0.0
+    return x.to(torch.bfloat16).to(device), fn.to(device)
+
+
+def make_inputs(shape, device="cpu", seed=0):
+    return random_inputs(shape, device, seed)
+
+
+def reference_parts(x, fn):
+    """(out_mul, sqrsum) in float64: x @ fn^T and the rows' square sums."""
+    xd = x.double()
+    return xd @ fn.double().T, xd.square().sum(-1)
+
+
+def reference(shape, x, fn):
+    out_mul, sqrsum = reference_parts(x, fn)
+    out = out_mul * (sqrsum / shape["mhc_hidden"] + shape["norm_eps"]).rsqrt().unsqueeze(-1)
+    return out.float(), out_mul.float(), sqrsum.float()
+
+
+def _m(s):
+    return s["mhc_mult3"]
+
+
+SPEC = register(
+    KernelSpec(
+        name="mhc_pre_norm_fn",
+        doc="mHC pre norm_fn: RMS-normed x @ fn^T of each token's flattened bf16 residual, float32 mixes",
+        params=PARAMS,
+        space=dict(SPACE),
+        default=default,
+        constraint=constraint,
+        build=build,
+        inputs=(
+            TensorArg("x", "bfloat16", ("num_tokens", "mhc_hidden"), align=lambda s, c: 2 * c["vec"]),
+            TensorArg("fn", "float32", (_m, "mhc_hidden"), align=lambda s, c: 4 * c["vec"]),
+        ),
+        outputs=(
+            TensorArg("out", "float32", ("num_tokens", _m), align=4),
+            TensorArg("out_mul", "float32", ("num_tokens", _m), align=4),
+            TensorArg("sqrsum", "float32", ("num_tokens",), align=4),
+        ),
+        make_inputs=make_inputs,
+        reference=reference,
+        bytes_moved=lambda s: s["num_tokens"] * (2 * s["mhc_hidden"] + 4 * (2 * _m(s) + 1))
+        + 4 * _m(s) * s["mhc_hidden"],
+        flops=lambda s: s["num_tokens"] * s["mhc_hidden"] * (2 * _m(s) + 2),
+        examples=(
+            {"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384},
+            {"num_tokens": 8192, "mhc_mult3": 24, "mhc_hidden": 28672},
+            {"num_tokens": 1024, "mhc_mult3": 80, "mhc_hidden": 32768},
+        ),
+        **COMMON,
+    )
+)

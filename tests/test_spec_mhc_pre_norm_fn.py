@@ -1,0 +1,248 @@
+"""mhc_pre_norm_fn / mhc_pre_norm_fn_bwd on a CPU host: the specs, the references against TileKernels' torch
+reference and its float64 autograd (at TF32 tolerance), both kernels cross-compiled for sm_90a and served by
+their references for the op tests (autograd, fuse_grad_acc, main_grad, opcheck, fake), and the TileKernels
+compat entry point."""
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tkjit
+import tkjit.ops
+from tkjit.compat import tile_kernels as tk
+from tkjit.errors import ConfigError, ShapeError, TensorError
+from tkjit.torch_ops import tf32_round
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from reference_kernels import serve_references  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("module_cache")
+FWD, BWD = "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd"
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# TF32: fn (and the backward's GEMM operand) keep 10 mantissa bits, a relative error up to 2^-11 each;
+# summed over K terms of random sign the outputs' relative L2 error against float64 is about 2^-11 / sqrt(3).
+TF32_RTOL = 2e-3
+
+
+def tk_ref(residual, mhc_fn, mhc_norm_weight, mhc_norm_eps):
+    """TileKernels' mhc_pre_norm_fn_ref (tile_kernels/torch/mhc.py), in the inputs' float dtype."""
+    if mhc_norm_weight is not None:
+        mhc_fn = mhc_fn * mhc_norm_weight
+    x = residual.flatten(-2, -1).to(mhc_fn.dtype)
+    k = mhc_fn.shape[-1]
+    sqrsum = x.square().sum(-1, keepdim=True)
+    return (x @ mhc_fn.T) * (sqrsum / k + mhc_norm_eps).rsqrt()
+
+
+def data(n0, n1, m, h, seed=0, weight=False):
+    g = torch.Generator().manual_seed(seed)
+    m3, k = m * (m + 2), m * h
+    residual = torch.randn(n0, n1, m, h, generator=g).to(torch.bfloat16)
+    fn = torch.randn(m3, k, generator=g) / k ** 0.5
+    w = (1 + 0.1 * torch.randn(k, generator=g)) if weight else None
+    out_grad = torch.randn(n0, n1, m3, generator=g)
+    return residual, fn, w, out_grad
+
+
+def float64_grads(residual, fn, w, eps, out_grad):
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (residual, fn, w)]
+    tk_ref(*leaves, eps).backward(out_grad.double())
+    return [t.grad if t is not None else None for t in leaves]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture
+def refs(monkeypatch):
+    return serve_references(monkeypatch, (FWD, BWD))
+
+
+def test_registered_defaults_and_constraints():
+    s = tkjit.get_spec(FWD)
+    full = s.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
+    assert s.default_config(full, "sm_90a") == {"warps": 4, "tokens_per_warp": 2, "vec": 8}
+    assert s.constraint(full, {"warps": 4, "tokens_per_warp": 8, "vec": 8}) is not None  # registers
+    odd = s.canonical_shape({"num_tokens": 1, "mhc_mult3": 24, "mhc_hidden": 96})
+    assert s.default_config(odd, "sm_90a")["vec"] == 1
+    assert "multiple of 32 * vec" in s.constraint(odd, {"warps": 1, "tokens_per_warp": 1, "vec": 2})
+    with pytest.raises(ShapeError, match="multiple of 32"):
+        tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 100}, arch="sm_90a")
+    with pytest.raises(ConfigError):
+        tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 96}, arch="sm_90a", config={"vec": 8})
+    b = tkjit.get_spec(BWD)
+    bfull = b.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
+    assert b.default_config(bfull, "sm_90a") == {"threads": 128, "vec": 2, "tile": 32}
+    assert b.constraint(b.canonical_shape({"num_tokens": 1, "mhc_mult3": 80, "mhc_hidden": 1024}),
+                        {"threads": 32, "vec": 2, "tile": 8}) is not None
+    for spec in (s, b):
+        assert spec.arch_constraint("cpu", spec.default_config(full, "sm_90a"), full) is not None
+
+
+@pytest.mark.parametrize("name", [FWD, BWD])
+def test_compiles_for_sm90a(name):
+    for shape in ({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384},
+                  {"num_tokens": 64, "mhc_mult3": 8, "mhc_hidden": 96}):
+        k = tkjit.get(name, shape, arch="sm_90a")
+        assert (k.path / "kernel.cu").read_text().count("__global__") >= 1
+
+
+def test_tf32_round_is_tile_kernels_rounding_then_truncation():
+    x = torch.tensor([1.0, 1 + 2 ** -11, 1 + 2 ** -12, -(1 + 2 ** -11), 1 + 3 * 2 ** -12, 0.0, -0.0, 3e-39])
+    tk = (x.view(torch.int32) + 0x1000).view(torch.float32)  # TileKernels' round_to_tf32
+    trunc = (tk.view(torch.int32) & ~0x1FFF).view(torch.float32)  # the tensor core drops 13 bits
+    assert torch.equal(tf32_round(x).view(torch.int32), trunc.view(torch.int32))
+    assert tf32_round(x)[1] == 1 + 2 ** -10 and tf32_round(x)[2] == 1.0 and tf32_round(x)[3] == -(1 + 2 ** -10)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_forward_reference(seed):
+    shape = {"num_tokens": 37, "mhc_mult3": 24, "mhc_hidden": 256, "norm_eps": 1e-6}
+    x, fn = tkjit.get_spec(FWD).make_inputs(shape, seed=seed)
+    out, out_mul, sqrsum = tkjit.get_spec(FWD).reference(shape, x, fn)
+    want = tk_ref(x.double().view(37, 4, 64), fn.double(), None, 1e-6)
+    assert rel(out, want) < 1e-6
+    torch.testing.assert_close(sqrsum.double(), x.double().square().sum(-1), rtol=1e-6, atol=0)
+    if seed:  # the zero row: out 0, sqrsum 0
+        assert sqrsum[18] == 0 and (out[18] == 0).all()
+
+
+def test_backward_pieces_are_float64_autograd():
+    """pre_norm_fn_grads (the norm's backward) then the bwd kernel's reference reproduce float64 autograd of
+    TileKernels' reference, to TF32 (the GEMM operand is rounded as TileKernels rounds it)."""
+    from tkjit.torch_ops import pre_norm_fn_grads
+
+    residual, fn, _, og = data(2, 9, 4, 64, seed=3)
+    n, k, eps = 18, 256, 1e-6
+    x = residual.view(n, k)
+    out, out_mul, sqrsum = tkjit.get_spec(FWD).reference({"mhc_hidden": k, "norm_eps": eps}, x, fn)
+    mg, sg = pre_norm_fn_grads(og.view(n, 24), out_mul, sqrsum, k, eps)
+    shape = {"num_partials": 4}
+    x_grad, parts = tkjit.get_spec(BWD).reference(shape, mg, sg, x, fn, torch.zeros_like(x))
+    gx, gfn, _ = float64_grads(residual, fn, None, eps, og)
+    assert rel(x_grad.float(), gx.view(n, k)) < TF32_RTOL
+    assert rel(parts.sum(0), gfn) < TF32_RTOL
+
+
+def test_ops_opcheck_and_fake(refs):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fwd, bwd = torch.ops.tkjit.mhc_pre_norm_fn.default, torch.ops.tkjit.mhc_pre_norm_fn_bwd.default
+    residual, fn, _, og = data(1, 6, 2, 64)
+    x = residual.view(6, 128)
+    args = (x.clone(), fn.clone().requires_grad_(), 1e-6)
+    assert torch.library.opcheck(fwd, args, test_utils=OPCHECK_TESTS) == dict.fromkeys(OPCHECK_TESTS, "SUCCESS")
+    out, out_mul, sqrsum = fwd(x, fn, 1e-6)
+    bargs = (og.view(6, 8), out_mul, sqrsum, x, fn, 1e-6)
+    assert torch.library.opcheck(bwd, bargs, test_utils=OPCHECK_TESTS) == dict.fromkeys(OPCHECK_TESTS, "SUCCESS")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        outs = fwd(mode.from_tensor(x), mode.from_tensor(fn), 1e-6)
+        assert [tuple(o.shape) for o in outs] == [(6, 8), (6, 8), (6,)]
+        grads = bwd(*(mode.from_tensor(t) for t in bargs[:5]), 1e-6)
+        assert [tuple(g.shape) for g in grads] == [(6, 128), (8, 128)]
+    with pytest.raises(TensorError, match="columns"):
+        fwd(x.to("meta"), fn[:, :64].to("meta"), 1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("weight", [False, True])
+def test_autograd_matches_float64(refs, compiled, weight):
+    residual, fn, w, og = data(2, 5, 4, 64, seed=int(compiled), weight=weight)
+
+    def f(a, b, c):
+        return tkjit.ops.mhc_pre_norm_fn(a, b, c, 1e-6, fuse_grad_acc=False)
+
+    if compiled:
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (residual, fn, w)]
+    out = f(*leaves)
+    want = tk_ref(residual.double(), fn.double(), None if w is None else w.double(), 1e-6)
+    assert out.shape == (2, 5, 24) and out.dtype == torch.float32
+    assert rel(out, want) < TF32_RTOL
+    out.backward(og)
+    for got, w64 in zip([t.grad for t in leaves if t is not None], [g for g in float64_grads(residual, fn, w, 1e-6, og)
+                                                                  if g is not None]):
+        assert rel(got, w64) < TF32_RTOL
+
+
+def test_fuse_grad_acc_adds_into_mhc_posts_gradient(refs):
+    residual, fn, _, og = data(1, 7, 4, 64, seed=5)
+    res = residual.clone().requires_grad_()
+    acc = torch.randn(residual.shape).to(torch.bfloat16)
+    res.untyped_storage().grad_from_mhc_post = acc.clone()
+    stored = res.untyped_storage().grad_from_mhc_post
+    out = tk.modeling.mhc.ops.mhc_pre_norm_fn(res, fn, None, 1e-6)
+    out.backward(og)
+    assert res.grad is None and not hasattr(res.untyped_storage(), "grad_from_mhc_post")
+    gx = float64_grads(residual, fn, None, 1e-6, og)[0]
+    assert rel(stored.float() - acc.float(), gx) < 1e-2  # stored's bf16 rounding at the scale of acc
+    # no such gradient: a fresh one (TileKernels fails there)
+    res2 = residual.clone().requires_grad_()
+    tk.modeling.mhc.ops.mhc_pre_norm_fn(res2, fn, None, 1e-6).backward(og)
+    assert rel(res2.grad, gx) < TF32_RTOL
+    res3 = residual.clone().requires_grad_()
+    res3.untyped_storage().grad_from_mhc_post = torch.zeros(3)
+    out = tk.modeling.mhc.ops.mhc_pre_norm_fn(res3, fn, None, 1e-6)
+    with pytest.raises(TensorError, match="grad_from_mhc_post"):
+        out.backward(og)
+
+
+def test_main_grad_takes_the_weight_gradients(refs):
+    residual, fn, w, og = data(1, 4, 4, 64, seed=7, weight=True)
+    fn_p, w_p = fn.clone().requires_grad_(), w.clone().requires_grad_()
+    fn_p.main_grad, w_p.main_grad = torch.ones_like(fn), torch.full_like(w, 2.0)
+    out = tk.modeling.mhc.ops.mhc_pre_norm_fn(residual, fn_p, w_p, 1e-6, fuse_grad_acc=False)
+    out.backward(og)
+    assert fn_p.grad is None and w_p.grad is None
+    _, gfn, gw = float64_grads(residual, fn, w, 1e-6, og)
+    assert rel(fn_p.main_grad - 1, gfn) < TF32_RTOL and rel(w_p.main_grad - 2, gw) < TF32_RTOL
+
+
+def test_differentiable_once(refs):
+    residual, fn, _, og = data(1, 3, 2, 64)
+    fn_p = fn.clone().requires_grad_()
+    out = tkjit.ops.mhc_pre_norm_fn(residual, fn_p, None, 1e-6, fuse_grad_acc=False)
+    (g,) = torch.autograd.grad((out * og).sum(), [fn_p], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        g.sum().backward()
+
+
+def test_compat_signature_is_tile_kernels():
+    P = inspect.Parameter
+    params = inspect.signature(tk.modeling.mhc.ops.mhc_pre_norm_fn).parameters.values()
+    assert [(p.name, p.kind, p.default) for p in params] == [
+        ("residual", P.POSITIONAL_OR_KEYWORD, P.empty), ("mhc_fn", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("mhc_norm_weight", P.POSITIONAL_OR_KEYWORD, P.empty), ("mhc_norm_eps", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("fuse_grad_acc", P.POSITIONAL_OR_KEYWORD, True), ("n_splits", P.POSITIONAL_OR_KEYWORD, 16)]
+
+
+@pytest.mark.parametrize("n_splits", [1, 16])
+def test_compat_matches_tile_kernels_reference(refs, n_splits):
+    residual, fn, w, og = data(2, 3, 4, 128, seed=11, weight=True)
+    out = tk.modeling.mhc.ops.mhc_pre_norm_fn(residual, fn, w, 1e-6, n_splits=n_splits)
+    assert out.shape == (2, 3, 24)
+    assert rel(out, tk_ref(residual.float(), fn, w, 1e-6)) < TF32_RTOL
+
+
+def _bad(kind):
+    residual, fn, w, _ = data(1, 2, 4, 64, weight=True)
+    return {
+        "residual dtype": ((residual.float(), fn, w, 1e-6), TensorError, "residual"),
+        "fn dtype": ((residual, fn.double(), w, 1e-6), TensorError, "mhc_fn"),
+        "fn cols": ((residual, fn[:, :128], w, 1e-6), TensorError, "mhc_fn"),
+        "weight shape": ((residual, fn, w[:10], 1e-6), TensorError, "mhc_norm_weight"),
+        "rows": ((residual, torch.zeros(81, 256), None, 1e-6), ShapeError, "80 rows"),
+        "eps": ((residual, fn, w, "x"), Exception, "mhc_norm_eps"),
+        "splits": ((residual, fn, w, 1e-6, True, 0), TensorError, "n_splits"),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["residual dtype", "fn dtype", "fn cols", "weight shape", "rows", "eps", "splits"])
+def test_compat_argument_errors(kind):
+    args, err, match = _bad(kind)
+    with pytest.raises(err, match=match):
+        tk.modeling.mhc.ops.mhc_pre_norm_fn(*args)
