@@ -1,12 +1,16 @@
-"""TileKernels' `modeling.mhc`: the fused mHC layer functions. tkjit serves `expand_from_embedding`
-(`ops.expand_to_mhc`); the others raise NotImplementedError naming them. Its Sinkhorn op is
-`modeling.mhc.ops.sinkhorn_normalize`."""
+"""TileKernels' `modeling.mhc`: the mHC layer functions, composed of `modeling.mhc.ops` as TileKernels composes
+them: `expand_from_embedding` (`ops.expand_to_mhc`), `mhc_pre` (pre_norm_fn, pre_split_mixes,
+sinkhorn_normalize, pre_apply_mix) and `mhc_head` (pre_norm_fn, head_compute_mix, pre_apply_mix).
+
+With gradients disabled TileKernels' `mhc_pre` calls its fused `mhc_pre_big_fuse` instead, which it holds
+bit-identical to the unfused ops; tkjit has no fused kernel yet and runs the unfused ops in both modes. The
+fused call takes no norm weight, so in that mode `norm_weight` is ignored, here as in TileKernels."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from tkjit.compat.tile_kernels._support import missing
 from tkjit.compat.tile_kernels.modeling.mhc import ops
 
 FAMILY = "mhc"
@@ -30,7 +34,17 @@ def mhc_head(
     pre_eps: float = 1e-06,
     n_splits: int = 16,
 ) -> torch.Tensor:
-    raise missing("modeling.mhc.mhc_head", FAMILY)
+    """The lm-head input (..., hidden) from the residual (..., mhc_mult, hidden): fn (mhc_mult, mhc_mult *
+    hidden), padded with zero rows to pre_norm_fn's mhc_mult * (mhc_mult + 2), its first mhc_mult mixes through
+    head_compute_mix (scale (1,) or a scalar, base (mhc_mult,)), then pre_apply_mix."""
+    rows = mhc_mult * (2 + mhc_mult)
+    if fn.shape[0] < rows:
+        fn = F.pad(fn, (0, 0, 0, rows - fn.shape[0]))
+    mixes = ops.mhc_pre_norm_fn(residual, fn, norm_weight, norm_eps, n_splits=n_splits)[..., :mhc_mult]
+    if scale.numel() == 1:
+        scale = scale.reshape(1)
+    mix = ops.mhc_head_compute_mix(mixes, scale, base, pre_eps)
+    return ops.mhc_pre_apply_mix(residual, mix.unsqueeze(-1))
 
 
 def mhc_pre(
@@ -48,6 +62,14 @@ def mhc_pre(
     sinkhorn_repeat: int = 10,
     n_splits: int = 16,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    raise missing("modeling.mhc.mhc_pre", FAMILY)
+    """One sublayer's mHC pre-processing: (layer_input (..., hidden), (post_mix (..., mhc_mult, 1), comb_mix
+    (..., mhc_mult, mhc_mult))) for `mhc_post`. fn (mhc_mult * (mhc_mult + 2), mhc_mult * hidden), scale (3,),
+    base (mhc_mult * (mhc_mult + 2),); comb_mix Sinkhorn-normalised (sinkhorn_repeat, sinkhorn_eps)."""
+    if not torch.is_grad_enabled():
+        norm_weight = None  # TileKernels' fused inference path takes none (see the module docstring)
+    mixes = ops.mhc_pre_norm_fn(residual, fn, norm_weight, norm_eps, n_splits=n_splits)
+    pre_mix, post_mix, comb_mix = ops.mhc_pre_split_mixes(mixes, scale, base, mhc_mult, post_mult_value, pre_eps)
+    comb_mix = ops.sinkhorn_normalize(comb_mix, repeat=sinkhorn_repeat, eps=sinkhorn_eps)
+    return ops.mhc_pre_apply_mix(residual, pre_mix), (post_mix, comb_mix)
 
 
