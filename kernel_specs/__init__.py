@@ -58,4 +58,6 @@ INDEX = {
     "swiglu_forward_and_per_channel_cast_and_transpose":
         "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
     "swiglu_forward_and_per_channel_cast": "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
+    "per_token_cast_e2m1": "tkjit_kernels.quant.per_token_cast_e2m1",
+    "per_token_cast_e2m1_colmajor": "tkjit_kernels.quant.per_token_cast_e2m1",
 }

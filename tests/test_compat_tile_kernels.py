@@ -273,11 +273,9 @@ def _cast(x=None, *a, **kw):
 
 
 @pytest.mark.parametrize("call, option", [
-    (lambda: _cast(None, "e2m1", 32), "fmt='e2m1'"),
     (lambda: _cast(None, "e4m3", 32, (1, 128)), "x_block_size=(1, 128)"),
     (lambda: _cast((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)), "e4m3", 32, (1, 128)),
      "x_block_size=(1, 128)"),
-    (lambda: tk.quant.per_token_cast_with_sf_only(torch.zeros(4, 256), "e2m1", 32), "fmt='e2m1'"),
     (lambda: _cast(torch.zeros(4, 200), "e4m3", 32), "hidden (x.shape[1])=200"),
     (lambda: _cast(torch.zeros(3, 1 << 16 + 1), "e4m3", 128), "hidden (x.shape[1])=131072"),
     (lambda: tk.moe.topk_gate(torch.zeros(4, 2048), 8), "num_experts (scores.shape[1])=2048"),
