@@ -354,6 +354,66 @@ def test_compat_hidden_tkjit_does_not_take():
         tk.quant.per_token_cast(torch.zeros(4, 200), "e2m1", 16)
 
 
+# -- x_block_size: re-casting a quantised (values, scales) input ---------------------------------------------------
+
+@pytest.fixture
+def all_reference_kernels(monkeypatch):
+    serve_references(monkeypatch, (NAME, COLMAJOR, "per_token_cast", "per_token_cast_colmajor", "cast_back",
+                                   "cast_back_colmajor"))
+
+
+def _dequant(values, sf_row, block):
+    """TileKernels' reference dequantisation: float32 values times their block's float32 scale, one rounding."""
+    v = _e2m1.decode(_e2m1.unpack(values)) if values.dtype == torch.int8 else values.float()
+    s = sf_row.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: v.shape[0], : v.shape[1]]
+    return v * s
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+@pytest.mark.parametrize("in_fmt,in_layout", [("e4m3", "row"), ("e4m3", "packed"), ("e2m1", "col"),
+                                              ("e4m3", "block")])
+def test_x_block_size_recasts_the_dequantised_input(all_reference_kernels, fmt, in_fmt, in_layout):
+    g = torch.Generator().manual_seed(3)
+    n, h = 37, 512
+    x = (torch.randn(n, h, generator=g) * torch.exp(torch.randn(n, 1, generator=g))).bfloat16()
+    if in_layout == "block":  # (128, 128) blocks, scales not powers of two, built by hand
+        block = (128, 128)
+        values = (torch.randn(n, h, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sf_row = torch.rand(1, 4, generator=g) + 0.5
+        sf = sf_row
+    else:
+        block = (1, 128 if in_fmt == "e4m3" else 32)
+        col, packed = in_layout != "row", in_layout == "packed"
+        values, sf = tk.quant.per_token_cast(x, in_fmt, block[1], use_tma_aligned_col_major_sf=col, round_sf=packed,
+                                             use_packed_ue8m0=packed)
+        _, sf_row = tk.quant.per_token_cast(x, in_fmt, block[1], round_sf=packed)
+    want_x = _dequant(values, sf_row, block)
+    for col, round_sf, packed in ((False, False, False), (True, True, True)):
+        q, out_sf = tk.quant.per_token_cast((values, sf), fmt, 32, block, col, round_sf, packed)
+        want_q, want_sf = tk.quant.per_token_cast(want_x, fmt, 32, None, col, round_sf, packed)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(out_sf, want_sf)
+        assert out_sf.stride() == want_sf.stride()
+        sf_only = tk.quant.per_token_cast_with_sf_only((values, sf), fmt, 32, block, col, round_sf, packed)
+        assert torch.equal(sf_only, want_sf)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: tk.quant.per_token_cast((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)), "e2m1",
+                                     32), ShapeError, "needs x_block_size"),
+    (lambda: tk.quant.per_token_cast(torch.zeros(4, 256), "e2m1", 32, (1, 128)), ShapeError,
+     r"for a \(values, scales\) x only"),
+    (lambda: tk.quant.per_token_cast((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 3)), "e2m1",
+                                     32, (1, 128)), TensorError, r"x\[1\] \(scales\) has shape \(4, 3\)"),
+    (lambda: tk.quant.per_token_cast((torch.zeros(4, 256), torch.ones(4, 2)), "e2m1", 32, (1, 128)), TensorError,
+     r"x\[0\] \(values\) must be"),
+    (lambda: tk.quant.per_token_cast((torch.zeros(4, 256, dtype=torch.uint8), torch.ones(4, 2)), "e4m3", 32,
+                                     (1, 128)), NotImplementedError, "x\\[0\\].dtype=torch.uint8"),
+])
+def test_x_block_size_refusals(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
 # -- sm_90a cross-compiles ------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 space at two, bit-exact with the spec reference on poisoned outputs (its make_inputs holds the rounding ties);
 strided x; tkjit.ops / torch.compile / opcheck; and TileKernels' per_token_cast(fmt='e2m1'): its torch reference
 `cast` first (bit-exact: bytes, scales, layouts), then its kernel where it builds here, then the round trip through
-cast_back (tkjit's against TileKernels' and its torch reference)."""
+cast_back (tkjit's against TileKernels' and its torch reference); x_block_size (a quantised input re-cast) against
+TileKernels' torch reference."""
 
 import pytest
 import torch
@@ -223,3 +224,38 @@ def test_round_trip_matches_tile_kernels(hidden, group, fmt, layout):
 
 def _bits(t):
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+# -- x_block_size: a quantised (values, scales) input, dequantised by cast_back then cast (two kernels) ----------
+
+X_INPUTS = [  # (input format, its x_block_size, (use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0) of it)
+    ("e4m3", (1, 128), (False, False, False)),
+    ("e4m3", (1, 128), (True, True, True)),
+    ("e2m1", (1, 32), (True, False, False)),
+    ("e4m3", (128, 128), (False, False, False)),
+]
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+@pytest.mark.parametrize("in_fmt,block,in_layout", X_INPUTS, ids=str)
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[-1]], ids=lambda v: "-".join("TF"[not b] for b in v))
+def test_x_block_size_matches_tile_kernels(fmt, in_fmt, block, in_layout, layout):
+    tk = _tk()
+    col, round_sf, packed = layout
+    x = torch.randn(4001, 7168, device="cuda").bfloat16()
+    if block[0] == 1:
+        values, sf = tkc.quant.per_token_cast(x, in_fmt, block[1], None, *in_layout)
+    else:
+        values, sf = tkc.quant.per_block_cast(x, in_fmt, block)
+    q, out_sf = tkc.quant.per_token_cast((values, sf), fmt, 32, block, col, round_sf, packed)
+    rq, rsf = tk.torch.cast((values, sf), fmt, (1, 32), x_block_size=block, round_sf=round_sf,
+                            use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    assert _same(q, rq) and _same(out_sf, rsf), "torch reference"
+    assert q.stride() == rq.stride() and out_sf.stride() == rsf.stride()
+    got = _tk_kernel(tk.quant.per_token_cast, (values, sf), fmt, 32, block, col, round_sf, packed)
+    if got is not None:
+        tq, tsf = got
+        if _same(tq, rq) and _same(tsf, rsf):
+            assert _same(q, tq) and _same(out_sf, tsf), "TileKernels kernel"
+        else:  # its kernel folds the input scale into the factor (another rounding): tkjit follows the reference
+            print(f"TileKernels' kernel differs from its torch reference: {fmt} {in_fmt} {block} {in_layout} {layout}")

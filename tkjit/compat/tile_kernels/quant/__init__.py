@@ -20,6 +20,10 @@ per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels return
             (`tkjit.scales.pack_ue8m0`), as TileKernels' reference packs it.
 round_sf rounds each scale up to a power of two. num_per_channels is 16, 32, 64, 128, or hidden (one
 scale per token, hidden a multiple of 64); a partial last group is allowed where tkjit's kernel takes it.
+x may also be TileKernels' quantised (values, scales) pair with x_block_size (its (num_per_tokens,
+num_per_channels)), in any form cast_back takes (below): it is dequantised to float32 by the cast_back kernel and
+that is cast (two kernels; bit-exact with TileKernels' torch reference, which dequantises in float32 the same way;
+TileKernels' kernel folds the input scale into the quantisation factor instead, which may round differently).
 fmt='e2m1' returns the same scales (amax / 6, the amax clamped to >= 6 * 2^-126), in the same layouts, with
     values  (num_tokens, hidden / 2) torch.int8: two FP4 e2m1 codes per byte, the even channel in the low nibble
             (round to nearest even, saturating at 6), bit-exact with TileKernels' torch reference; cast_back
@@ -133,8 +137,17 @@ def _per_token_cast(
     if fmt == "e5m6":
         return _per_token_cast_e5m6(fn, x, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf,
                                     use_packed_ue8m0)
-    if x_block_size is not None or isinstance(x, tuple):
-        raise missing(fn, FAMILY, f"x_block_size={x_block_size!r} (re-casting a quantised (values, scales) input)")
+    if isinstance(x, tuple):
+        # A quantised (values, scales) input with x_block_size (TileKernels' get_cast_input_and_config): dequantised
+        # to float32 by tkjit's cast_back kernel, then cast as a float32 x. Two kernels, bit-exact with TileKernels'
+        # reference, which dequantises in float32 the same way (values * scale, one rounding) before its cast.
+        if not isinstance(x_block_size, tuple):
+            raise ShapeError(f"tile_kernels.{fn}: a (values, scales) x needs x_block_size, a (num_per_tokens, "
+                             f"num_per_channels) tuple; got {x_block_size!r}")
+        x = _cast_back(fn, x, "fp32", x_block_size, None)
+    elif x_block_size is not None:
+        raise ShapeError(f"tile_kernels.{fn}: x_block_size={x_block_size!r} is for a (values, scales) x only; pass "
+                         "None with a plain tensor")
     if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
         # TileKernels lays packed UE8M0 out column-major only (its reference has no other form).
         raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
