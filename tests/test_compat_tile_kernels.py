@@ -273,11 +273,6 @@ def _cast(x=None, *a, **kw):
 
 
 @pytest.mark.parametrize("call, option", [
-    (lambda: _cast(None, "e2m1", 32), "fmt='e2m1'"),
-    (lambda: _cast(None, "e4m3", 32, (1, 128)), "x_block_size=(1, 128)"),
-    (lambda: _cast((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)), "e4m3", 32, (1, 128)),
-     "x_block_size=(1, 128)"),
-    (lambda: tk.quant.per_token_cast_with_sf_only(torch.zeros(4, 256), "e2m1", 32), "fmt='e2m1'"),
     (lambda: _cast(torch.zeros(4, 200), "e4m3", 32), "hidden (x.shape[1])=200"),
     (lambda: _cast(torch.zeros(3, 1 << 16 + 1), "e4m3", 128), "hidden (x.shape[1])=131072"),
     (lambda: tk.moe.topk_gate(torch.zeros(4, 2048), 8), "num_experts (scores.shape[1])=2048"),
@@ -300,6 +295,7 @@ def test_unsupported_options_raise_not_implemented_naming_the_option(call, optio
     (lambda: _cast(None, "e4m3", 32, None, False, True, True), tkjit.ShapeError,
      "use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True"),
     (lambda: _cast(None, "e4m3", 48), tkjit.ShapeError, "num_per_channels=48 must be one of"),
+    (lambda: _cast(None, "e4m3", 32, (1, 128)), tkjit.ShapeError, "is for a \\(values, scales\\) x only"),
     (lambda: _cast(torch.zeros(4, 96), "e4m3", 96), tkjit.ShapeError, r"equal to hidden \(96\) when hidden"),
     (lambda: _cast(None, "e4m3", "32"), tkjit.ShapeError, "num_per_channels must be an int"),
     (lambda: _cast(torch.zeros(4, 256, dtype=torch.float16), "e4m3", 32), tkjit.TensorError, "x must be"),

@@ -946,3 +946,28 @@ def mhc_pre_norm_fn(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weigh
     else:
         out = mhc_pre_norm_fn_flat(x, fn, mhc_norm_eps, fuse_grad_acc, config, bwd_config)
     return out.view(*residual.shape[:-2], m3)
+
+
+# -- per_token_cast_e2m1 ------------------------------------------------------------------------------
+
+def per_token_cast_e2m1(
+    x: torch.Tensor, group: int = 128, *, round_scale: bool = False, col_major_scales: bool = False,
+    packed_ue8m0: bool = False, config=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, hidden) bf16/f32 -> (FP4 e2m1 values, float32 scales per `group` channels), TileKernels'
+    `per_token_cast(x, 'e2m1', group)`: the values as int8 (num_tokens, hidden / 2), two codes per byte, the
+    even channel in the low nibble; one scale amax / 6 per token and group. group and the scales' layouts
+    (col_major_scales, packed_ue8m0, round_scale) are `per_token_cast`'s."""
+    if packed_ue8m0 and not col_major_scales:
+        raise ShapeError("per_token_cast_e2m1: packed_ue8m0 needs col_major_scales=True (the packed layout is "
+                         "column-major)")
+    cfg = encode_config(config)
+    eager = _eager(x)
+    if not col_major_scales:
+        op = torch_ops.per_token_cast_e2m1_impl if eager else torch.ops.tkjit.per_token_cast_e2m1.default
+        return op(x, group, round_scale, cfg)
+    op = torch_ops.per_token_cast_e2m1_colmajor_impl if eager else torch.ops.tkjit.per_token_cast_e2m1_colmajor.default
+    q, storage = op(x, group, round_scale, cfg)
+    if packed_ue8m0:
+        storage = pack_ue8m0(storage)
+    return q, storage[:, : x.shape[0]].T

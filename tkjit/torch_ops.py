@@ -2290,3 +2290,48 @@ def _pre_norm_fn_backward(ctx, out_grad, *_):
 mhc_pre_norm_fn.register_autograd(_pre_norm_fn_backward, setup_context=_pre_norm_fn_setup_context)
 mhc_pre_norm_fn_bwd.register_autograd(_no_double_backward_of("mhc_pre_norm_fn"),
                                       setup_context=lambda ctx, inputs, output: None)
+
+
+# -- per_token_cast_e2m1 ------------------------------------------------------------------------------
+
+def _fake_e2m1_cast(name, x, group, round_scale):
+    """The fake values (num_tokens, hidden / 2) int8 and the number of scale groups, ceil(hidden / group)."""
+    _need(x, (2,), name)
+    hidden = int(x.shape[1])
+    _fake_check(name, {"hidden": hidden, "group": group, "in_dtype": dtype_name(x.dtype),
+                       "round_scale": round_scale}, x)
+    return x.new_empty((x.shape[0], hidden // 2), dtype=torch.int8), -(-hidden // group)
+
+
+def per_token_cast_e2m1_impl(x, group=128, round_scale=False, config=None):
+    """(num_tokens, hidden) bf16/f32 -> (FP4 e2m1 values, two per byte, int8 (num_tokens, hidden / 2), float32
+    scales (num_tokens, ceil(hidden / group)))."""
+    return _cast("per_token_cast_e2m1", x, group, round_scale, config)
+
+
+per_token_cast_e2m1 = torch.library.custom_op(
+    "tkjit::per_token_cast_e2m1", mutates_args=(), schema=_CAST_SCHEMA
+)(per_token_cast_e2m1_impl)
+
+
+@per_token_cast_e2m1.register_fake
+def _(x, group=128, round_scale=False, config=None):
+    q, groups = _fake_e2m1_cast("per_token_cast_e2m1", x, group, round_scale)
+    return q, x.new_empty((x.shape[0], groups), dtype=torch.float32)
+
+
+def per_token_cast_e2m1_colmajor_impl(x, group=128, round_scale=False, config=None):
+    """per_token_cast_e2m1 with the scales' TMA-aligned column-major storage (ceil(hidden / group),
+    align(num_tokens, 4))."""
+    return _cast("per_token_cast_e2m1_colmajor", x, group, round_scale, config)
+
+
+per_token_cast_e2m1_colmajor = torch.library.custom_op(
+    "tkjit::per_token_cast_e2m1_colmajor", mutates_args=(), schema=_CAST_SCHEMA
+)(per_token_cast_e2m1_colmajor_impl)
+
+
+@per_token_cast_e2m1_colmajor.register_fake
+def _(x, group=128, round_scale=False, config=None):
+    q, groups = _fake_e2m1_cast("per_token_cast_e2m1_colmajor", x, group, round_scale)
+    return q, x.new_empty((groups, (x.shape[0] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)

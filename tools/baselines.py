@@ -1304,3 +1304,41 @@ TILE_KERNELS.update({"mhc_pre_norm_fn": _norm_fn_tk})
 _NORM_FN_SHAPES = [{"num_tokens": t, "mhc_mult3": 24, "mhc_hidden": k} for k in (16384, 28672)
                    for t in (1024, 4096, 8192)] + [{"num_tokens": 4096, "mhc_mult3": 80, "mhc_hidden": 32768}]
 SHAPES.update({name: list(_NORM_FN_SHAPES) for name in ("mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd")})
+
+
+# -- per_token_cast_e2m1 (FP4, two codes per int8, float32 scales amax / 6) ------------------------------------
+
+def _e2m1_cast_torch(col_major):
+    def make(shape):
+        from tkjit_kernels.quant.per_token_cast_e2m1 import reference, reference_colmajor
+
+        ref = reference_colmajor if col_major else reference
+        return lambda x: ref(shape, x)  # plain torch: group amax, scale, integer encode and pack
+
+    return make
+
+
+def _e2m1_cast_tk(col_major):
+    def make(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.quant import per_token_cast
+
+        (x,) = inputs
+        return lambda: per_token_cast(x, "e2m1", shape["group"], use_tma_aligned_col_major_sf=col_major,
+                                      round_sf=shape["round_scale"])
+
+    return make
+
+
+TORCH.update({"per_token_cast_e2m1": _e2m1_cast_torch(False), "per_token_cast_e2m1_colmajor": _e2m1_cast_torch(True)})
+TILE_KERNELS.update({"per_token_cast_e2m1": _e2m1_cast_tk(False),
+                     "per_token_cast_e2m1_colmajor": _e2m1_cast_tk(True)})
+SHAPES.update({
+    # TileKernels' test sizes (4001 / 8001 tokens) at hidden 7168, 4096 and 576, groups 32 (MXFP4) and 16, and
+    # 32768 x 7168; the column-major, power-of-two scales DeepGEMM's FP4 path reads.
+    "per_token_cast_e2m1": [
+        {"num_tokens": n, "hidden": h, "group": 32} for n in (4001, 8001) for h in (7168, 4096, 576)
+    ] + [{"num_tokens": 8001, "hidden": 7168, "group": 16}, {"num_tokens": 32768, "hidden": 7168, "group": 32}],
+    "per_token_cast_e2m1_colmajor": [{"num_tokens": 8001, "hidden": 7168, "group": 32, "round_scale": True}],
+})

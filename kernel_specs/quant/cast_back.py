@@ -33,7 +33,7 @@ of a block handles chunks (block * iters + i) * threads + tx, i < iters, so a wa
 contiguous spans. A chunk's input is one vector load (e4m3: vec bytes, e2m1: vec / 2), its output
 16-byte stores; its scales (one, or vec / block_channels when the group is narrower than the chunk) are
 4-byte loads that neighbouring threads share (L1 hits). All iters' loads are issued before any store.
-The e2m1 decode is integer work on the float32 bit pattern (no float4 type, no denormals), see `_e2m1_bits`.
+The e2m1 decode is integer work on the float32 bit pattern (no float4 type, no denormals): `_e2m1.decode_bits_tl`.
 """
 
 import itertools
@@ -42,14 +42,14 @@ import torch
 
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit_kernels.quant._e2m1 import E2M1  # noqa: F401 (codes 0..15 as values; tests import it from here)
+from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
 
 FORMATS = ("e4m3", "e2m1")  # x: float8_e4m3fn, or int8 holding two FP4 e2m1 codes per byte (TileKernels)
 X_DTYPE = {"e4m3": "float8_e4m3fn", "e2m1": "int8"}
 OUT_DTYPES = ("bfloat16", "float32")
 OUT_BYTES = {"bfloat16": 2, "float32": 4}
 SF_DTYPES = ("float32", "int32")  # int32: four UE8M0 exponents per word (column-major only)
-# FP4 e2m1 codes 0..15 (sign, 2 exponent bits, 1 mantissa bit), as TileKernels' unpack_from_e2m1fn_x2 decodes them.
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SPACE = {
     "vec": (8, 16, 32),  # channels per chunk
     "threads": (128, 256, 512),
@@ -160,18 +160,6 @@ def arch_constraint(arch, c, shape):
 
 def pass_configs(c):
     return {"tl.disable_warp_specialized": True}
-
-
-def _e2m1_bits(T, code):
-    """float32 bit pattern of FP4 e2m1 `code` (uint32 in [0, 16)): exact, integer-only.
-
-    Magnitude m = code & 7 is (exponent e, mantissa bit) = (m >> 1, m & 1). For e >= 1 the value is
-    2^(e - 1) * (1 + mantissa / 2): float32 exponent field e + 126, top mantissa bit the mantissa bit, i.e.
-    (m << 22) + (126 << 23). e == 0 is 0 (m = 0) or 0.5 (m = 1, the pattern 126 << 23): m * (126 << 23).
-    The sign bit moves from bit 3 to bit 31 (code 8 is -0.0, as TileKernels' decode gives)."""
-    m = code & T.uint32(7)
-    mag = T.if_then_else(m >= T.uint32(2), (m << T.uint32(22)) + T.uint32(126 << 23), m * T.uint32(126 << 23))
-    return mag | ((code & T.uint32(8)) << T.uint32(28))
 
 
 def load_scale(T, sf, k, srow, col_major, sdt):

@@ -1,5 +1,6 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` (fmt 'e4m3': its per_token_cast
-kernels; 'e5m6': its per_token_cast_e5m6 kernels) and `per_token_cast_with_sf_only` (e4m3),
+kernels; 'e2m1': its per_token_cast_e2m1 kernels; 'e5m6': its per_token_cast_e5m6 kernels) and
+`per_token_cast_with_sf_only` (e4m3, e2m1),
 `per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its
 per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose`, `per_channel_cast_fused` and
 `swiglu_forward_and_per_channel_cast_and_transpose` for fmt='e4m3' (its kernels of the same names), `cast_back`
@@ -19,6 +20,14 @@ per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels return
             (`tkjit.scales.pack_ue8m0`), as TileKernels' reference packs it.
 round_sf rounds each scale up to a power of two. num_per_channels is 16, 32, 64, 128, or hidden (one
 scale per token, hidden a multiple of 64); a partial last group is allowed where tkjit's kernel takes it.
+x may also be TileKernels' quantised (values, scales) pair with x_block_size (its (num_per_tokens,
+num_per_channels)), in any form cast_back takes (below): it is dequantised to float32 by the cast_back kernel and
+that is cast (two kernels; bit-exact with TileKernels' torch reference, which dequantises in float32 the same way;
+TileKernels' kernel folds the input scale into the quantisation factor instead, which may round differently).
+fmt='e2m1' returns the same scales (amax / 6, the amax clamped to >= 6 * 2^-126), in the same layouts, with
+    values  (num_tokens, hidden / 2) torch.int8: two FP4 e2m1 codes per byte, the even channel in the low nibble
+            (round to nearest even, saturating at 6), bit-exact with TileKernels' torch reference; cast_back
+            with x_block_size (1, num_per_channels) dequantises them.
 
 cast_back(x, fmt, x_block_size) and per_token_cast_back(x, fmt, num_per_channels) (= x_block_size
 (1, num_per_channels)) dequantise x = (values, scales) to fmt 'bf16' / 'fp32', bit-exact with TileKernels:
@@ -128,10 +137,17 @@ def _per_token_cast(
     if fmt == "e5m6":
         return _per_token_cast_e5m6(fn, x, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf,
                                     use_packed_ue8m0)
-    if fmt != "e4m3":
-        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts to 'e4m3' and 'e5m6' only)")
-    if x_block_size is not None or isinstance(x, tuple):
-        raise missing(fn, FAMILY, f"x_block_size={x_block_size!r} (re-casting a quantised (values, scales) input)")
+    if isinstance(x, tuple):
+        # A quantised (values, scales) input with x_block_size (TileKernels' get_cast_input_and_config): dequantised
+        # to float32 by tkjit's cast_back kernel, then cast as a float32 x. Two kernels, bit-exact with TileKernels'
+        # reference, which dequantises in float32 the same way (values * scale, one rounding) before its cast.
+        if not isinstance(x_block_size, tuple):
+            raise ShapeError(f"tile_kernels.{fn}: a (values, scales) x needs x_block_size, a (num_per_tokens, "
+                             f"num_per_channels) tuple; got {x_block_size!r}")
+        x = _cast_back(fn, x, "fp32", x_block_size, None)
+    elif x_block_size is not None:
+        raise ShapeError(f"tile_kernels.{fn}: x_block_size={x_block_size!r} is for a (values, scales) x only; pass "
+                         "None with a plain tensor")
     if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
         # TileKernels lays packed UE8M0 out column-major only (its reference has no other form).
         raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
@@ -145,13 +161,14 @@ def _per_token_cast(
         )
     round_scale = bool(round_sf)
     in_dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float32"
-    require_kernel(fn, FAMILY, "per_token_cast",
+    e2m1 = fmt == "e2m1"  # FP4, two codes per int8 (tkjit's per_token_cast_e2m1 kernels); else FP8 e4m3
+    require_kernel(fn, FAMILY, "per_token_cast_e2m1" if e2m1 else "per_token_cast",
                    {"hidden": hidden, "group": group, "in_dtype": in_dtype, "round_scale": round_scale},
                    {"hidden": "hidden (x.shape[1])", "group": "num_per_channels", "in_dtype": "x.dtype"},
                    {"num_tokens": max(1, x.shape[0])})
-    q, sf = ops.per_token_cast(rows_aligned(x), group, round_scale=round_scale,
-                               col_major_scales=bool(use_tma_aligned_col_major_sf),
-                               packed_ue8m0=bool(use_packed_ue8m0))
+    op = ops.per_token_cast_e2m1 if e2m1 else ops.per_token_cast
+    q, sf = op(rows_aligned(x), group, round_scale=round_scale, col_major_scales=bool(use_tma_aligned_col_major_sf),
+               packed_ue8m0=bool(use_packed_ue8m0))
     return q, sf
 
 
@@ -164,8 +181,8 @@ def per_token_cast(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> QuantTensor:
-    """Cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3 with one float32 scale per token and group of
-    num_per_channels channels: (values, scales), laid out as the module doc says."""
+    """Cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3 (FP4 e2m1, two per int8; e5m6) with one float32 scale
+    per token and group of num_per_channels channels: (values, scales), laid out as the module doc says."""
     return _per_token_cast("quant.per_token_cast", x, fmt, num_per_channels, x_block_size,
                            use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
 
@@ -179,7 +196,7 @@ def per_token_cast_with_sf_only(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
-    """per_token_cast's scales only (same values and layout). tkjit's kernel writes the FP8 values too;
+    """per_token_cast's scales only (same values and layout). tkjit's kernel writes the FP8 / FP4 values too;
     they are dropped."""
     fn = "quant.per_token_cast_with_sf_only"
     if fmt == "e5m6":  # TileKernels' e5m6 cast has no scales-only form (an assert there)
