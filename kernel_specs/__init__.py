@@ -58,4 +58,5 @@ INDEX = {
     "swiglu_forward_and_per_channel_cast_and_transpose":
         "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
     "swiglu_forward_and_per_channel_cast": "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
+    "mhc_multilayer_recompute": "tkjit_kernels.mhc.multilayer_recompute",
 }
