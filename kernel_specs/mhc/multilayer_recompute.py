@@ -74,25 +74,27 @@ def constraint(shape, c):
 
 
 def default(shape):
-    """The widest vectors; then, among layouts that keep <= DEFAULT_STATE values per lane, the fewest idle
-    vector slots, then 128 threads, the most vectors per lane (fewer mix loads per element), the fewest
-    rows per block; the layer loop unrolled up to UNROLL_LAYERS layers."""
-    best, unrolled = None, shape["num_layers"] <= UNROLL_LAYERS
-    for vb in (16, 8, 4, 2):
-        for threads in (128, 64, 256):
-            for rows in SPACE["rows"]:
-                for unroll in SPACE["unroll"]:
-                    c = {"threads": threads, "rows": rows, "vec_bytes": vb, "unroll": unroll, "unroll_layers": unrolled}
-                    if constraint(shape, c) or state(shape, c) > DEFAULT_STATE:
-                        continue
-                    _, hv, _, chunk, chunks, _ = geometry(shape, c)
-                    score = (-vb, chunks * chunk - hv, threads != 128, -unroll, rows)
-                    if best is None or score < best[0]:
-                        best = (score, c)
+    """The widest vectors that keep <= DEFAULT_STATE values per lane (else <= MAX_STATE); then the fewest
+    idle vector slots, 128 threads, the most vectors per lane (fewer mix loads per element), the fewest rows
+    per block; the layer loop unrolled up to UNROLL_LAYERS layers."""
+    unrolled = shape["num_layers"] <= UNROLL_LAYERS
+    for cap in (DEFAULT_STATE, MAX_STATE):
+        best = None
+        for vb in (16, 8, 4, 2):
+            for threads in (128, 64, 256):
+                for rows in SPACE["rows"]:
+                    for unroll in SPACE["unroll"]:
+                        c = {"threads": threads, "rows": rows, "vec_bytes": vb, "unroll": unroll,
+                             "unroll_layers": unrolled}
+                        if constraint(shape, c) or state(shape, c) > cap:
+                            continue
+                        _, hv, _, chunk, chunks, _ = geometry(shape, c)
+                        score = (-vb, chunks * chunk - hv, threads != 128, -unroll, rows)
+                        if best is None or score < best[0]:
+                            best = (score, c)
         if best is not None:
             return best[1]
-    # rows narrower than any layout's lanes: two-byte vectors, the most rows
-    return {"threads": 64, "rows": max(SPACE["rows"]), "vec_bytes": 2, "unroll": 1, "unroll_layers": unrolled}
+    raise AssertionError(f"no config for {shape}")  # unreachable: 2-byte vectors of 16 streams fit MAX_STATE
 
 
 def build(shape, c):
