@@ -62,4 +62,5 @@ INDEX = {
     "mhc_pre_norm_fn_bwd": "tkjit_kernels.mhc.pre_norm_fn_bwd",
     "per_token_cast_e2m1": "tkjit_kernels.quant.per_token_cast_e2m1",
     "per_token_cast_e2m1_colmajor": "tkjit_kernels.quant.per_token_cast_e2m1",
+    "mhc_multilayer_recompute": "tkjit_kernels.mhc.multilayer_recompute",
 }

@@ -971,3 +971,109 @@ def per_token_cast_e2m1(
     if packed_ue8m0:
         storage = pack_ue8m0(storage)
     return q, storage[:, : x.shape[0]].T
+
+
+# -- mhc_multilayer_recompute -------------------------------------------------------------------------
+
+def check_multilayer_recompute(fn: str, initial_residual, pre_mix, layer_output, post_mix, comb_mix) -> tuple:
+    """TensorError / ShapeError naming the bad argument of the stacked mhc_multilayer_recompute; returns
+    (num_tokens, mhc_mult, hidden, num_layers, num_post). Each tensor holds its layers' values contiguously:
+    initial_residual (..., mhc_mult, hidden) bf16, pre_mix (num_layers, ..., mhc_mult[, 1]) float32,
+    layer_output (num_post, ..., hidden) bf16, post_mix (num_post, ..., mhc_mult[, 1]) and comb_mix (num_post,
+    ..., mhc_mult, mhc_mult) float32, the same tokens in each."""
+    _mhc_tensor(fn, "initial_residual", initial_residual, 2, torch.bfloat16, "(..., mhc_mult, hidden)")
+    m, h = initial_residual.shape[-2:]
+    n = initial_residual.numel() // max(1, m * h)
+    for name, t, dtype, per_token, what in (
+            ("pre_mix", pre_mix, torch.float32, m, "(num_layers, ..., mhc_mult, 1)"),
+            ("layer_output", layer_output, torch.bfloat16, h, "(num_post, ..., hidden)"),
+            ("post_mix", post_mix, torch.float32, m, "(num_post, ..., mhc_mult, 1)"),
+            ("comb_mix", comb_mix, torch.float32, m * m, "(num_post, ..., mhc_mult, mhc_mult)")):
+        _mhc_tensor(fn, name, t, 1, dtype, what)
+        if t.numel() != t.shape[0] * n * per_token:
+            raise TensorError(f"{fn}: {name} must be {what}: {n} tokens of {per_token} values per layer "
+                              f"(initial_residual {tuple(initial_residual.shape)}), got {tuple(t.shape)}")
+        if t.device != initial_residual.device:
+            raise TensorError(f"{fn}: {name} is on {t.device}, initial_residual on {initial_residual.device}")
+    num_layers, num_post = pre_mix.shape[0], layer_output.shape[0]
+    if num_layers < 1 or num_post not in (num_layers, num_layers - 1):
+        raise ShapeError(f"{fn}: layer_output has {num_post} layers, pre_mix {num_layers}: num_post must be num_layers "
+                         "or num_layers - 1 (num_layers >= 1)")
+    for name, t in (("post_mix", post_mix), ("comb_mix", comb_mix)):
+        if t.shape[0] != num_post:
+            raise ShapeError(f"{fn}: {name} has {t.shape[0]} layers, layer_output {num_post}")
+    return n, m, h, num_layers, num_post
+
+
+def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix: torch.Tensor, layer_output: torch.Tensor,
+                             post_mix: torch.Tensor, comb_mix: torch.Tensor, *,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TileKernels' `mhc_multilayer_recompute` on stacked layers: per layer l, layer_input[l] =
+    mhc_pre_apply_mix(res, pre_mix[l]) and, for l < num_post, res = residual[l] = mhc_post_fwd(layer_output[l],
+    res, post_mix[l], comb_mix[l]), from res = initial_residual; one kernel, bit-identical to those ops.
+    Shapes as `check_multilayer_recompute`; returns (layer_input (num_layers, ..., hidden), residual (num_post,
+    ..., mhc_mult, hidden)) bf16, written into out = (layer_input, residual) when given (contiguous, those
+    shapes). Not differentiable (a recomputation)."""
+    fn = "mhc_multilayer_recompute"
+    n, m, h, num_layers, num_post = check_multilayer_recompute(fn, initial_residual, pre_mix, layer_output, post_mix,
+                                                               comb_mix)
+    lead = tuple(initial_residual.shape[:-2])
+
+    def flat(t, *shape):
+        return t.reshape(shape).contiguous()
+
+    tensors = (flat(initial_residual, n, m, h), flat(pre_mix, num_layers, n, m), flat(layer_output, num_post, n, h),
+               flat(post_mix, num_post, n, m), flat(comb_mix, num_post, n, m, m))
+    cfg = encode_config(config)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TensorError(f"{fn}: out must be a (layer_input, residual) pair, got {type(out).__name__}")
+        li, res = out
+        _mhc_out(fn, li, (num_layers, *lead, h), initial_residual.device, "out[0] (layer_input)")
+        _mhc_out(fn, res, (num_post, *lead, m, h), initial_residual.device, "out[1] (residual)")
+        flat_out = (li.view(num_layers, n, h), res.view(num_post, n, m, h))
+        if _eager(*tensors, *flat_out):
+            torch_ops.mhc_multilayer_recompute_impl(*tensors, cfg, out=flat_out)
+        else:
+            got = torch.ops.tkjit.mhc_multilayer_recompute.default(*tensors, cfg)
+            for o, g in zip(flat_out, got):
+                o.copy_(g)
+        return li, res
+    if _eager(*tensors):
+        li, res = torch_ops.mhc_multilayer_recompute_impl(*tensors, cfg)
+    else:
+        li, res = torch.ops.tkjit.mhc_multilayer_recompute.default(*tensors, cfg)
+    return li.view(num_layers, *lead, h), res.view(num_post, *lead, m, h)
+
+
+STACK_ALIGN = 16  # bytes: the widest vector access of the kernel
+
+
+def is_storage_of(items: list[torch.Tensor], stacked: torch.Tensor) -> bool:
+    """Whether `stacked` is the items' own storage (their consecutive slices), not a copy."""
+    return bool(items) and stacked.data_ptr() == items[0].data_ptr() and stacked.untyped_storage().data_ptr() == \
+        items[0].untyped_storage().data_ptr()
+
+
+def stacked_layers(items: list[torch.Tensor], shape: tuple, dtype: torch.dtype, device: torch.device,
+                   read: bool = True) -> torch.Tensor:
+    """The items (each `shape`'s element count) as one contiguous (len(items), *shape) tensor: a view of their
+    storage when they are consecutive contiguous slices of one buffer, starting on a 16-byte boundary;
+    else a stacked copy (read) or a fresh buffer for the results (not read)."""
+    k, numel = len(items), 1
+    for s in shape:
+        numel *= s
+    if k and all(t.is_contiguous() for t in items) and items[0].data_ptr() % STACK_ALIGN == 0:
+        base, step = items[0].data_ptr(), numel * items[0].element_size()
+        storage = items[0].untyped_storage().data_ptr()
+        if all(t.data_ptr() == base + i * step and t.untyped_storage().data_ptr() == storage
+               for i, t in enumerate(items)):
+            strides, acc = [], 1
+            for s in reversed((k, *shape)):
+                strides.append(acc)
+                acc *= s
+            return items[0].as_strided((k, *shape), tuple(reversed(strides)), items[0].storage_offset())
+    if read and k:
+        return torch.stack([t.reshape(shape) for t in items])
+    return torch.empty((k, *shape), dtype=dtype, device=device)

@@ -2335,3 +2335,65 @@ per_token_cast_e2m1_colmajor = torch.library.custom_op(
 def _(x, group=128, round_scale=False, config=None):
     q, groups = _fake_e2m1_cast("per_token_cast_e2m1_colmajor", x, group, round_scale)
     return q, x.new_empty((groups, (x.shape[0] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+
+
+# -- mhc_multilayer_recompute ------------------------------------------------------------------------
+# torch.ops.tkjit.mhc_multilayer_recompute(initial_residual, pre_mix, layer_output, post_mix, comb_mix,
+#                                          config=None) -> (layer_input, residual)
+# the per-layer tensors stacked on a leading layer axis, the tokens flattened: initial_residual (num_tokens,
+# mhc_mult, hidden) and layer_output (num_post, num_tokens, hidden) bfloat16, pre_mix (num_layers, num_tokens,
+# mhc_mult), post_mix (num_post, num_tokens, mhc_mult), comb_mix (num_post, num_tokens, mhc_mult, mhc_mult)
+# float32 -> layer_input (num_layers, num_tokens, hidden), residual (num_post, num_tokens, mhc_mult, hidden)
+# bfloat16. num_post is num_layers or num_layers - 1; with none (one layer) the op is pre_apply_mix.
+
+def _recompute_static(name, initial_residual, pre_mix, layer_output, post_mix, comb_mix) -> dict:
+    for what, t, ndim in (("initial_residual", initial_residual, 3), ("pre_mix", pre_mix, 3),
+                          ("layer_output", layer_output, 3), ("post_mix", post_mix, 3), ("comb_mix", comb_mix, 4)):
+        _need(t, (ndim,), f"{name}: {what}")
+    num_layers, num_post = int(pre_mix.shape[0]), int(layer_output.shape[0])
+    if num_layers < 1 or num_post not in (num_layers, num_layers - 1):
+        raise ShapeError(f"{name}: num_post (layer_output.shape[0] = {num_post}) must be num_layers or num_layers - 1 "
+                         f"(pre_mix.shape[0] = {num_layers}, at least 1)")
+    for what, t in (("post_mix", post_mix), ("comb_mix", comb_mix)):
+        if int(t.shape[0]) != num_post:
+            raise ShapeError(f"{name}: {what} has {int(t.shape[0])} layers, layer_output {num_post}")
+    return {"mhc_mult": int(initial_residual.shape[1]), "hidden": int(initial_residual.shape[2]),
+            "num_layers": num_layers, "num_post": num_post}
+
+
+def mhc_multilayer_recompute_impl(initial_residual, pre_mix, layer_output, post_mix, comb_mix, config=None, out=None):
+    """(layer_input, residual) of num_layers mHC blocks recomputed in one kernel, bit-identical to
+    pre_apply_mix then mhc_post_fwd per layer. out: (layer_input, residual) written in place (eager callers)."""
+    static = _recompute_static("mhc_multilayer_recompute", initial_residual, pre_mix, layer_output, post_mix, comb_mix)
+    n, m, h = (int(s) for s in initial_residual.shape)
+    if static["num_post"] == 0:  # one layer, no post: its input is pre_apply_mix's
+        li = out[0] if out is not None else initial_residual.new_empty((1, n, h))
+        pre_apply_mix_impl(initial_residual, pre_mix[0], out=li[0])
+        return li, out[1] if out is not None else initial_residual.new_empty((0, n, m, h))
+    kern = get("mhc_multilayer_recompute", {"num_tokens": max(1, n), **static}, arch=arch_of(initial_residual),
+               config=_config(config))
+    tensors = (initial_residual, pre_mix, layer_output, post_mix, comb_mix)
+    return kern(*tensors, out=out) if out is not None else kern(*tensors)
+
+
+mhc_multilayer_recompute = torch.library.custom_op(
+    "tkjit::mhc_multilayer_recompute", mutates_args=(),
+    schema="(Tensor initial_residual, Tensor pre_mix, Tensor layer_output, Tensor post_mix, Tensor comb_mix, "
+           "str? config=None) -> (Tensor, Tensor)",
+)(mhc_multilayer_recompute_impl)
+
+
+@mhc_multilayer_recompute.register_fake
+def _(initial_residual, pre_mix, layer_output, post_mix, comb_mix, config=None):
+    name = "mhc_multilayer_recompute"
+    static = _recompute_static(name, initial_residual, pre_mix, layer_output, post_mix, comb_mix)
+    if static["num_post"]:
+        _fake_check(name, static, initial_residual, pre_mix, layer_output, post_mix, comb_mix)
+    else:
+        _fake_check("pre_apply_mix", {"mhc_mult": static["mhc_mult"], "hidden": static["hidden"]}, initial_residual,
+                    pre_mix[0])
+    for t in (pre_mix, layer_output, post_mix, comb_mix):
+        torch._check(t.shape[1] == initial_residual.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
+    n, m, h = initial_residual.shape
+    return (initial_residual.new_empty((static["num_layers"], n, h)),
+            initial_residual.new_empty((static["num_post"], n, m, h)))

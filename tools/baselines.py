@@ -1342,3 +1342,46 @@ SHAPES.update({
     ] + [{"num_tokens": 8001, "hidden": 7168, "group": 16}, {"num_tokens": 32768, "hidden": 7168, "group": 32}],
     "per_token_cast_e2m1_colmajor": [{"num_tokens": 8001, "hidden": 7168, "group": 32, "round_scale": True}],
 })
+
+
+# -- mhc_multilayer_recompute --------------------------------------------------------------------------
+
+def _mhc_multilayer_recompute_torch(shape):
+    # TileKernels' torch references chained per layer (mhc_pre_apply_mix_ref, mhc_post_ref) on the stacked layers.
+    def f(initial_residual, pre_mix, layer_output, post_mix, comb_mix):
+        res, inputs, residuals = initial_residual, [], []
+        for i in range(pre_mix.shape[0]):
+            inputs.append((res * pre_mix[i].unsqueeze(-1)).sum(-2).bfloat16())
+            if i < layer_output.shape[0]:
+                term2 = torch.einsum("tmn,tmc->tnc", comb_mix[i], res.float())
+                res = (layer_output[i].float().unsqueeze(-2) * post_mix[i].unsqueeze(-1) + term2).bfloat16()
+                residuals.append(res)
+        return inputs, residuals
+
+    return f
+
+
+def _mhc_multilayer_recompute_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.mhc.multilayer_recompute_kernel import _make_ptr_tables_batched, _mhc_multilayer_recompute_kernel
+
+    initial_residual, pre_mix, layer_output, post_mix, comb_mix = inputs
+    n, m, h, L, P = (shape[k] for k in ("num_tokens", "mhc_mult", "hidden", "num_layers", "num_post"))
+    layer_input = torch.empty(L, n, h, dtype=torch.bfloat16, device="cuda")
+    residual = torch.empty(P, n, m, h, dtype=torch.bfloat16, device="cuda")
+    # its per-layer pointer tables, built once (its public entry point builds them on every call, on the host)
+    pre, inp, res, out, post, comb = _make_ptr_tables_batched(
+        [list(t.unbind(0)) for t in (pre_mix, layer_input, residual, layer_output, post_mix, comb_mix)],
+        device=initial_residual.device)
+    kernel = _mhc_multilayer_recompute_kernel(m, h, L, P)
+    return lambda: kernel(initial_residual, pre, out, post, comb, inp, res)
+
+
+TORCH["mhc_multilayer_recompute"] = _mhc_multilayer_recompute_torch
+TILE_KERNELS["mhc_multilayer_recompute"] = _mhc_multilayer_recompute_tk
+# TileKernels' benchmark: 10 layers, 9 or 10 of them with a post, 1 x 8192 tokens, mhc 4, hidden 2560 .. 8192.
+SHAPES["mhc_multilayer_recompute"] = [
+    {"num_tokens": 8192, "mhc_mult": 4, "hidden": h, "num_layers": 10, "num_post": p}
+    for h in (2560, 4096, 7168, 8192) for p in (9, 10)
+]

@@ -15,6 +15,7 @@ stores), and are memory-bound.
   x_arg, rows_arg, ...  the tensor arguments (vector-aligned bf16 rows, float32 mixes)
   random_inputs         make_inputs: TileKernels' test data (standard normal), odd seeds spread in scale
   forward               the forward in float64 (reference, and what the backward's reference differentiates)
+  forward_fma32         the forward in the kernels' float32 order, exactly (mhc_multilayer_recompute's reference)
   widest_vec            the widest chunk (8 channels: 16 bytes) that divides hidden
 """
 
@@ -151,3 +152,21 @@ def row_bytes(s) -> int:
 def mix_bytes(s) -> int:
     """Bytes of post_layer_mix and comb_res_mix together."""
     return s["num_tokens"] * (s["mhc"] + s["mhc"] ** 2) * 4
+
+
+def forward_fma32(x, residual, post_layer_mix, comb_res_mix):
+    """out before rounding, float32, in the order nvcc gives mhc_post_fwd's (and TileKernels') loop
+    `acc = post * x; acc += comb[0] * res[0]; acc += comb[1] * res[1] ...`: it contracts the first add
+    with the post product, acc = fma(post, x, comb[0] * res[0]) (that product rounded), then one fused
+    multiply-add per stream m = 1, 2, ... (sm_90a PTX: mul.f32 then fma.rn.f32 chains). Flattened tokens:
+    x (t, hidden), residual (t, mhc, hidden), post_layer_mix (t, mhc), comb_res_mix (t, mhc, mhc); on the CPU."""
+    from tkjit_kernels.mhc._streams import fma32
+
+    xf, r = x.float().cpu(), residual.float().cpu()
+    post, comb = post_layer_mix.float().cpu(), comb_res_mix.float().cpu()
+    shape = r.shape  # (t, n, hidden): output stream n
+    acc = comb[:, 0, :, None] * r[:, :1, :]  # float32 product, rounded once
+    acc = fma32(post[:, :, None].expand(shape), xf[:, None, :].expand(shape), acc)
+    for m in range(1, r.shape[1]):
+        acc = fma32(comb[:, m, :, None].expand(shape), r[:, m : m + 1, :].expand(shape), acc)
+    return acc

@@ -2,9 +2,9 @@
 sinkhorn_bwd kernels), `expand_to_mhc` (expand_to_mhc / expand_to_mhc_bwd), `mhc_pre_apply_mix`
 (pre_apply_mix / pre_apply_mix_bwd[_acc]), `mhc_post`, `mhc_post_fwd`, `mhc_post_bwd` (its mhc_post_fwd /
 mhc_post_bwd kernels), `mhc_head_compute_mix` (mhc_head_compute_mix / mhc_head_compute_mix_bwd),
-`mhc_pre_split_mixes` (mhc_pre_split_mixes / mhc_pre_split_mixes_bwd) and `mhc_pre_norm_fn` (mhc_pre_norm_fn /
-mhc_pre_norm_fn_bwd); the others raise NotImplementedError
-naming them."""
+`mhc_pre_split_mixes` (mhc_pre_split_mixes / mhc_pre_split_mixes_bwd), `mhc_pre_norm_fn` (mhc_pre_norm_fn /
+mhc_pre_norm_fn_bwd) and `mhc_multilayer_recompute` (mhc_multilayer_recompute); the others raise
+NotImplementedError naming them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from tkjit import ops
 from tkjit.autograd import plain
 from tkjit.compat.tile_kernels._support import as_float, as_int, missing, require_kernel, rows_aligned, tensor
-from tkjit.errors import TensorError
+from tkjit.errors import ShapeError, TensorError
 
 FAMILY = "mhc"
 __all__ = [
@@ -89,7 +89,75 @@ def mhc_multilayer_recompute(
     layer_input_list: list[torch.Tensor],
     residual_list: list[torch.Tensor],
 ) -> None:
-    raise missing("modeling.mhc.ops.mhc_multilayer_recompute", FAMILY)
+    """Recompute num_layers mHC blocks' layer inputs and residuals in place, in one kernel (TileKernels'
+    activation recomputation): from res = initial_residual (..., mhc_mult, hidden) bf16, per layer l
+    layer_input_list[l] = mhc_pre_apply_mix(res, pre_mix_list[l]) and, for l < len(layer_output_list),
+    res = residual_list[l] = mhc_post_fwd(layer_output_list[l], res, post_mix_list[l], comb_mix_list[l]);
+    bit-identical to those ops (TileKernels checks its kernel against its ops with torch.equal). The lists'
+    tensors are TileKernels' per-layer shapes: pre_mix / post_mix (..., mhc_mult, 1), comb_mix (..., mhc_mult,
+    mhc_mult) float32, layer_output / layer_input (..., hidden), residual (..., mhc_mult, hidden) bf16, each
+    holding initial_residual's tokens (only their element counts are checked, as TileKernels reads them through
+    raw pointers).
+
+    tkjit's kernels take tensors, not lists of pointers: the lists are stacked into one tensor per argument (a
+    copy of the layer outputs and mixes, and of the results back into layer_input_list / residual_list: about
+    twice the kernel's own traffic) unless a list's tensors already are consecutive contiguous slices of one
+    buffer (e.g. `torch.empty(num_layers, *shape).unbind(0)`), which are read and written in place."""
+    fn = "modeling.mhc.ops.mhc_multilayer_recompute"
+    tensor(fn, "initial_residual", initial_residual, tuple(range(2, 9)), (torch.bfloat16,))
+    lists = {"pre_mix_list": pre_mix_list, "layer_output_list": layer_output_list, "post_mix_list": post_mix_list,
+             "comb_mix_list": comb_mix_list, "layer_input_list": layer_input_list, "residual_list": residual_list}
+    for name, items in lists.items():
+        if not isinstance(items, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in items):
+            raise TensorError(f"tile_kernels.{fn}: {name} must be a list of torch.Tensor, got {type(items).__name__}")
+    num_layers, num_post = len(pre_mix_list), len(layer_output_list)
+    for name in ("layer_input_list",):
+        if len(lists[name]) != num_layers:
+            raise ShapeError(f"tile_kernels.{fn}: {name} has {len(lists[name])} tensors, pre_mix_list {num_layers}")
+    for name in ("post_mix_list", "comb_mix_list", "residual_list"):
+        if len(lists[name]) != num_post:
+            raise ShapeError(f"tile_kernels.{fn}: {name} has {len(lists[name])} tensors, layer_output_list {num_post}")
+    if num_layers < 1 or num_post not in (num_layers, num_layers - 1):
+        raise ShapeError(f"tile_kernels.{fn}: post count ({num_post}) must be num_layers-1 or num_layers "
+                         f"(num_layers={num_layers}, at least 1)")
+    m, h = initial_residual.shape[-2:]
+    n = initial_residual.numel() // max(1, m * h)
+    per_token = {"pre_mix_list": (m, torch.float32), "layer_output_list": (h, torch.bfloat16),
+                 "post_mix_list": (m, torch.float32), "comb_mix_list": (m * m, torch.float32),
+                 "layer_input_list": (h, torch.bfloat16), "residual_list": (m * h, torch.bfloat16)}
+    for name, items in lists.items():
+        size, dtype = per_token[name]
+        for i, t in enumerate(items):
+            if t.dtype != dtype:
+                raise TensorError(f"tile_kernels.{fn}: {name}[{i}] must be {dtype}, got {t.dtype}")
+            if t.numel() != n * size:
+                raise TensorError(f"tile_kernels.{fn}: {name}[{i}] must hold {n} tokens of {size} values "
+                                  f"(initial_residual {tuple(initial_residual.shape)}), got shape {tuple(t.shape)}")
+            if t.device != initial_residual.device:
+                raise TensorError(f"tile_kernels.{fn}: {name}[{i}] is on {t.device}, initial_residual on "
+                                  f"{initial_residual.device}")
+    names = {"mhc_mult": "mhc_mult (initial_residual.shape[-2])", "hidden": "hidden (initial_residual.shape[-1])",
+             "num_layers": "num_layers (len(pre_mix_list))", "num_post": "num_post (len(layer_output_list))"}
+    if num_post:
+        require_kernel(fn, FAMILY, "mhc_multilayer_recompute",
+                       {"mhc_mult": m, "hidden": h, "num_layers": num_layers, "num_post": num_post}, names,
+                       {"num_tokens": max(1, n)})
+    else:  # one layer without a post: pre_apply_mix's kernel
+        require_kernel(fn, FAMILY, "pre_apply_mix", {"mhc_mult": m, "hidden": h}, names, {"num_tokens": max(1, n)})
+    shapes = {"pre_mix_list": (n, m), "layer_output_list": (n, h), "post_mix_list": (n, m),
+              "comb_mix_list": (n, m, m), "layer_input_list": (n, h), "residual_list": (n, m, h)}
+    dev = initial_residual.device
+    with torch.no_grad():
+        ins = [ops.stacked_layers(lists[k], shapes[k], per_token[k][1], dev) for k in
+               ("pre_mix_list", "layer_output_list", "post_mix_list", "comb_mix_list")]
+        outs = [ops.stacked_layers(lists[k], shapes[k], per_token[k][1], dev, read=False) for k in
+                ("layer_input_list", "residual_list")]
+        ops.mhc_multilayer_recompute(_flat(initial_residual, n, m, h), *ins, out=tuple(outs))
+        for k, o in zip(("layer_input_list", "residual_list"), outs):
+            if not ops.is_storage_of(lists[k], o):
+                for t, v in zip(lists[k], o):
+                    t.copy_(v.view(t.shape))
+
 
 
 def mhc_pre_norm_fn(
