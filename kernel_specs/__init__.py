@@ -58,4 +58,6 @@ INDEX = {
     "swiglu_forward_and_per_channel_cast_and_transpose":
         "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
     "swiglu_forward_and_per_channel_cast": "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
+    "per_block_cast_lossless": "tkjit_kernels.quant.per_block_cast_lossless",
+    "per_block_cast_lossless_colmajor": "tkjit_kernels.quant.per_block_cast_lossless",
 }
