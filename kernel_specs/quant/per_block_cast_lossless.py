@@ -54,7 +54,7 @@ BLOCKS_K = (8, 16, 32, 64, 128, 256, 512, 1024)  # channel block sizes: powers o
 TMA_ALIGN = 4
 HEADROOM = 6  # e_out = max exponent - 6: e2m1's 6 * 2^6 = 384 fits e4m3 (max 448)
 FLOOR = 5  # an input scale at most 2^(6 + 5) below the max: 0.5 * 2^-5 = 2^-6, e4m3's smallest normal
-MAX_CHUNKS_PER_THREAD = 8
+MAX_X_BYTES_PER_THREAD = 64  # x staged in registers: 16 chunks of 4 bytes, 8 of 8, 4 of 16
 MAX_TILE_ROWS = 256
 MAX_SCALES_PER_TILE = 8192  # input-scale exponents staged in shared memory (32 KiB)
 SPACE = {
@@ -103,8 +103,8 @@ def constraint(shape, c):
     cpt = _chunks_per_thread(shape, c)
     if cpt != int(cpt) or cpt < 1:
         return f"{tm} x {tk} / vec = {tm * tk // vec} chunks per tile is not a multiple of threads={threads}"
-    if cpt > MAX_CHUNKS_PER_THREAD:
-        return f"{int(cpt)} chunks per thread exceed {MAX_CHUNKS_PER_THREAD}"
+    if cpt * vec // 2 > MAX_X_BYTES_PER_THREAD:
+        return f"{int(cpt)} chunks per thread hold {int(cpt) * vec // 2} bytes of x (max {MAX_X_BYTES_PER_THREAD})"
     if -(-tm // bmi) * (tk // bki) > MAX_SCALES_PER_TILE:
         return f"{-(-tm // bmi) * (tk // bki)} input scales per tile exceed {MAX_SCALES_PER_TILE} (shared memory)"
     return None
