@@ -63,4 +63,6 @@ INDEX = {
     "per_token_cast_e2m1": "tkjit_kernels.quant.per_token_cast_e2m1",
     "per_token_cast_e2m1_colmajor": "tkjit_kernels.quant.per_token_cast_e2m1",
     "mhc_multilayer_recompute": "tkjit_kernels.mhc.multilayer_recompute",
+    "per_block_cast_lossless": "tkjit_kernels.quant.per_block_cast_lossless",
+    "per_block_cast_lossless_colmajor": "tkjit_kernels.quant.per_block_cast_lossless",
 }

@@ -48,7 +48,7 @@ SERVED = {
               "per_block_cast_with_precomputed_sf", "per_channel_cast", "per_channel_cast_and_transpose",
               "per_channel_cast_fused", "swiglu_forward_and_per_token_cast",
               "swiglu_backward_and_per_token_cast",
-              "swiglu_forward_and_per_channel_cast_and_transpose"},
+              "swiglu_forward_and_per_channel_cast_and_transpose", "per_block_cast_lossless"},
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix", "mhc_post", "mhc_post_fwd",
                          "mhc_post_bwd", "mhc_head_compute_mix", "mhc_pre_split_mixes", "mhc_pre_norm_fn",

@@ -1077,3 +1077,53 @@ def stacked_layers(items: list[torch.Tensor], shape: tuple, dtype: torch.dtype, 
     if read and k:
         return torch.stack([t.reshape(shape) for t in items])
     return torch.empty((k, *shape), dtype=dtype, device=device)
+
+
+# -- per_block_cast_lossless -------------------------------------------------------------------------
+
+def _row_major_scales(fn: str, sf: torch.Tensor, cols: int) -> torch.Tensor:
+    """Scales as the lossless kernel reads them, float32 row-major: a row-major float32 sf as it is (any row
+    stride); a column-major one (sf.stride(0) == 1, TileKernels' test) copied row-major; packed UE8M0 int32
+    (rows, ceil(cols / 4)) unpacked to 2^(byte - 127) (byte 0 -> 0.0, refused by the kernel as lossy)."""
+    torch_ops._need(sf, (2,), fn)
+    if sf.dtype == torch.int32:
+        from tkjit_kernels.quant.cast_back import unpack_ue8m0
+
+        if sf.shape[1] != -(-cols // 4):
+            raise TensorError(f"{fn}: packed UE8M0 sf has {sf.shape[1]} int32 columns, expected ceil({cols} / 4)")
+        return unpack_ue8m0(sf, cols)
+    if sf.dtype == torch.float32 and sf.stride(0) == 1:
+        return torch.empty(sf.shape, dtype=torch.float32, device=sf.device).copy_(sf)
+    return sf
+
+
+def per_block_cast_lossless(
+    x: torch.Tensor, sf: torch.Tensor, in_block_size: tuple[int, int] = (1, 32),
+    out_block_size: tuple[int, int] = (128, 128), *, col_major_scales: bool = False, packed_ue8m0: bool = False,
+    config=None,
+):
+    """FP4 e2m1 x (int8 (num_tokens, hidden / 2), two codes per byte, low nibble first) with power-of-two scales
+    sf per in_block_size = (block_m, block_k) -> (fp8 e4m3 values (num_tokens, hidden), float32 scales per
+    out_block_size block), exactly: values * scales equal x's values. sf is float32 (ceil(num_tokens / block_m),
+    ceil(hidden / block_k)), row-major (any row stride) or column-major (stride(0) == 1), or packed UE8M0 int32
+    (.., ceil(cols / 4)), column-major. A cast that would lose values (a scale not a positive power of two, or
+    more than 2^11 below its output block's largest) raises TensorError naming the block (a device sync).
+    col_major_scales / packed_ue8m0 lay the output scales out as per_block_cast's."""
+    fn = "per_block_cast_lossless"
+    if packed_ue8m0 and not col_major_scales:
+        raise ShapeError(f"{fn}: packed_ue8m0 needs col_major_scales=True (the packed layout is column-major)")
+    for what, b in (("in_block_size", in_block_size), ("out_block_size", out_block_size)):
+        if not isinstance(b, (tuple, list)) or len(b) != 2:
+            raise ShapeError(f"{fn}: {what} must be (block_m, block_k), got {b!r}")
+    (bmi, bki), (bmo, bko) = in_block_size, out_block_size
+    torch_ops._need(x, (2,), fn)
+    sf = _row_major_scales(fn, sf, -(-int(x.shape[1]) * 2 // bki) if isinstance(bki, int) and bki > 0 else 1)
+    args = (x, sf, bmi, bki, bmo, bko, encode_config(config))
+    eager = _eager(x, sf)
+    if not col_major_scales:
+        return (torch_ops.per_block_cast_lossless_impl if eager else _ops.per_block_cast_lossless.default)(*args)
+    op = torch_ops.per_block_cast_lossless_colmajor_impl if eager else _ops.per_block_cast_lossless_colmajor.default
+    q, storage = op(*args)
+    if packed_ue8m0:
+        storage = pack_ue8m0(storage)
+    return q, storage[:, : (x.shape[0] + bmo - 1) // bmo].T

@@ -2397,3 +2397,88 @@ def _(initial_residual, pre_mix, layer_output, post_mix, comb_mix, config=None):
     n, m, h = initial_residual.shape
     return (initial_residual.new_empty((static["num_layers"], n, h)),
             initial_residual.new_empty((static["num_post"], n, m, h)))
+
+
+# -- per_block_cast_lossless -------------------------------------------------------------------------
+
+_LOSSLESS_SCHEMA = ("(Tensor x, Tensor sf, int in_block_m=1, int in_block_k=32, int out_block_m=128, "
+                    "int out_block_k=128, str? config=None) -> (Tensor, Tensor)")
+
+
+def _lossless_static(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k) -> dict:
+    """per_block_cast_lossless's static params: hidden is the logical width (twice x's), or TensorError."""
+    _need(x, (2,), name)
+    _need(sf, (2,), name)
+    if x.dtype != torch.int8:
+        raise TensorError(f"{name}: x must be int8 holding two FP4 e2m1 codes per byte, got {x.dtype}")
+    if sf.dtype != torch.float32:
+        raise TensorError(f"{name}: sf must be float32 (row-major power-of-two scales), got {sf.dtype}")
+    return {"hidden": int(x.shape[1]) * 2, "in_block_m": in_block_m, "in_block_k": in_block_k,
+            "out_block_m": out_block_m, "out_block_k": out_block_k}
+
+
+def _lossless(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k, config):
+    """The kernel, then its lossy flag read back (a device sync): a TensorError naming the first failing block.
+    Not checked while a CUDA graph is being captured (no sync is possible there)."""
+    static = _lossless_static(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k)
+    kern = get(name, {"num_tokens": max(1, x.shape[0]), **static}, arch=arch_of(x), config=_config(config))
+    q, scales, lossy = kern(x, sf)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if x.shape[0] and not capturing and int(lossy.item()):
+        from tkjit_kernels.quant.per_block_cast_lossless import problem
+
+        why = problem(static, sf) or "the kernel flagged a block the host check does not find (report this)"
+        raise TensorError(f"{name}: the e2m1 -> e4m3 cast would lose values: {why}")
+    return q, scales
+
+
+def _fake_lossless(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k):
+    """(fake values, scale rows ceil(num_tokens / out_block_m), scale columns ceil(hidden / out_block_k))."""
+    static = _lossless_static(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k)
+    _fake_check(name, static, x)  # sf's rows are a CeilDiv of the runtime size: checked here
+    cols = -(-static["hidden"] // in_block_k)
+    if sf.shape[1] != cols:
+        raise TensorError(f"{name}: input sf has shape {tuple(sf.shape)}, axis 1 must be {cols}")
+    torch._check(sf.shape[0] == (x.shape[0] + in_block_m - 1) // in_block_m,
+                 lambda: f"{name}: sf's rows must be ceil(num_tokens / in_block_m)")
+    return (x.new_empty((x.shape[0], static["hidden"]), dtype=torch.float8_e4m3fn),
+            (x.shape[0] + out_block_m - 1) // out_block_m, -(-static["hidden"] // out_block_k))
+
+
+def per_block_cast_lossless_impl(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128, config=None):
+    """FP4 e2m1 x (int8 (num_tokens, hidden / 2)) with power-of-two float32 scales sf (ceil(num_tokens /
+    in_block_m), ceil(hidden / in_block_k)), row-major at any row stride -> (fp8 e4m3 values (num_tokens, hidden),
+    float32 scales (ceil(num_tokens / out_block_m), ceil(hidden / out_block_k))), exact; TensorError if not."""
+    return _lossless("per_block_cast_lossless", x, sf, in_block_m, in_block_k, out_block_m, out_block_k, config)
+
+
+per_block_cast_lossless = torch.library.custom_op(
+    "tkjit::per_block_cast_lossless", mutates_args=(), schema=_LOSSLESS_SCHEMA
+)(per_block_cast_lossless_impl)
+
+
+@per_block_cast_lossless.register_fake
+def _(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128, config=None):
+    q, rows, cols = _fake_lossless("per_block_cast_lossless", x, sf, in_block_m, in_block_k, out_block_m,
+                                   out_block_k)
+    return q, x.new_empty((rows, cols), dtype=torch.float32)
+
+
+def per_block_cast_lossless_colmajor_impl(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128,
+                                          config=None):
+    """per_block_cast_lossless with the scales' TMA-aligned column-major storage (ceil(hidden / out_block_k),
+    align(ceil(num_tokens / out_block_m), 4))."""
+    return _lossless("per_block_cast_lossless_colmajor", x, sf, in_block_m, in_block_k, out_block_m, out_block_k,
+                     config)
+
+
+per_block_cast_lossless_colmajor = torch.library.custom_op(
+    "tkjit::per_block_cast_lossless_colmajor", mutates_args=(), schema=_LOSSLESS_SCHEMA
+)(per_block_cast_lossless_colmajor_impl)
+
+
+@per_block_cast_lossless_colmajor.register_fake
+def _(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128, config=None):
+    q, rows, cols = _fake_lossless("per_block_cast_lossless_colmajor", x, sf, in_block_m, in_block_k, out_block_m,
+                                   out_block_k)
+    return q, x.new_empty((cols, (rows + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)

@@ -1385,3 +1385,48 @@ SHAPES["mhc_multilayer_recompute"] = [
     {"num_tokens": 8192, "mhc_mult": 4, "hidden": h, "num_layers": 10, "num_post": p}
     for h in (2560, 4096, 7168, 8192) for p in (9, 10)
 ]
+
+
+# -- per_block_cast_lossless --------------------------------------------------------------------------
+
+def _lossless_torch(col_major):
+    def make(shape):
+        from tkjit_kernels.quant.per_block_cast_lossless import reference, reference_colmajor
+
+        ref = reference_colmajor if col_major else reference
+        return lambda x, sf: ref(shape, x, sf)[:2]  # plain torch (its lossy check reads the scales on the host)
+
+    return make
+
+
+def _lossless_tk(col_major):
+    def make(shape, inputs):
+        if _tile_kernels() is None:
+            return None
+        from tile_kernels.quant import per_block_cast_lossless
+
+        x, sf = inputs
+        bi, bo = (shape["in_block_m"], shape["in_block_k"]), (shape["out_block_m"], shape["out_block_k"])
+        return lambda: per_block_cast_lossless((x, sf), "e4m3", bi, bo, col_major)
+
+    return make
+
+
+TORCH.update({"per_block_cast_lossless": _lossless_torch(False),
+              "per_block_cast_lossless_colmajor": _lossless_torch(True)})
+TILE_KERNELS.update({"per_block_cast_lossless": _lossless_tk(False),
+                     "per_block_cast_lossless_colmajor": _lossless_tk(True)})
+SHAPES.update({  # MXFP4 weights / activations (1 x 32 blocks) to DeepGEMM's 128 x 128 and 1 x 128 FP8 blocks
+    "per_block_cast_lossless": [
+        {"num_tokens": 4096, "hidden": 7168, "in_block_m": 1, "in_block_k": 32, "out_block_m": 128,
+         "out_block_k": 128},
+        {"num_tokens": 7168, "hidden": 2048, "in_block_m": 1, "in_block_k": 32, "out_block_m": 128,
+         "out_block_k": 128},
+        {"num_tokens": 32768, "hidden": 7168, "in_block_m": 1, "in_block_k": 32, "out_block_m": 1,
+         "out_block_k": 128},
+    ],
+    "per_block_cast_lossless_colmajor": [
+        {"num_tokens": 4096, "hidden": 7168, "in_block_m": 1, "in_block_k": 32, "out_block_m": 128,
+         "out_block_k": 128},
+    ],
+})

@@ -42,6 +42,7 @@ import torch
 
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit_kernels.quant import _e2m1 as e2m1
 from tkjit_kernels.quant._e2m1 import E2M1  # noqa: F401 (codes 0..15 as values; tests import it from here)
 from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
 
@@ -323,9 +324,7 @@ def decode(shape, x):
     """x's values as float32 (num_tokens, hidden): e4m3 widened, or e2m1 pairs decoded low nibble first."""
     if shape["in_fmt"] == "e4m3":
         return x.float()
-    table = torch.tensor(E2M1, dtype=torch.float32, device=x.device)
-    b = x.view(torch.uint8).to(torch.int64)
-    return torch.stack([table[b & 0x0F], table[b >> 4]], dim=-1).reshape(x.shape[0], x.shape[1] * 2)
+    return e2m1.decode(e2m1.unpack(x))
 
 
 def unpack_ue8m0(words, cols):

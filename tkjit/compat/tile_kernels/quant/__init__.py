@@ -6,7 +6,8 @@ per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose`, `
 `swiglu_forward_and_per_channel_cast_and_transpose` for fmt='e4m3' (its kernels of the same names), `cast_back`
 and `per_token_cast_back` (its cast_back kernels; x_special_fmt='e5m6': its cast_back_e5m6 kernels),
 `swiglu_forward_and_per_token_cast` (fmt 'e4m3', every option; its kernels of the same name),
-`swiglu_backward_and_per_token_cast` (its kernel of the same name) and
+`swiglu_backward_and_per_token_cast` (its kernel of the same name),
+`per_block_cast_lossless` (its per_block_cast_lossless kernels) and
 `unpack_from_e2m1fn_x2` (torch); every other function or option raises NotImplementedError naming it.
 
 per_token_cast(x, 'e4m3', num_per_channels, ...) returns what TileKernels returns:
@@ -101,6 +102,17 @@ swiglu_clamp_value c: gate <= c, |up| <= c first), rounded to x's dtype as TileK
 returns per_channel_cast_and_transpose's layout (without_transpose=True: per_channel_cast's) for hidden channels.
 x is bf16 (TileKernels) or float32; num_per_tokens 32 or 128; num_tokens a multiple of num_per_tokens, x.shape[1]
 of 32 (TileKernels: 128 and 128); swiglu_clamp_value None or finite and >= 0.
+
+per_block_cast_lossless(x, 'e4m3', x_block_size, out_block_size, ...) re-quantises x = (values int8 (num_tokens,
+hidden / 2), two FP4 e2m1 codes per byte, contiguous; scales per x_block_size in cast_back's forms: float32
+row-major or column-major, or packed UE8M0 int32) to FP8 e4m3 with one power-of-two scale per out_block_size
+block (the largest input scale of the block / 2^6), exactly: it returns per_block_cast's layouts (row-major,
+use_tma_aligned_col_major_sf, use_packed_ue8m0) with ceil(num_tokens / out_block_size[0]) scale rows. Bit-exact
+with TileKernels where the cast is lossless; where it is not (an input scale not a positive normal power of two,
+an output scale under float32's range, or an input scale more than 2^11 below its output block's largest)
+tkjit raises TensorError naming the first such block, after the kernel (one device sync; not checked during
+CUDA graph capture), where TileKernels device-asserts or loses values silently. num_per_channels are powers of
+two (8 .. 1024 served), out_block_size a multiple of x_block_size both ways, hidden a multiple of 32.
 """
 
 from __future__ import annotations
@@ -714,7 +726,58 @@ def per_block_cast_lossless(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> QuantTensor:
-    raise missing("quant.per_block_cast_lossless", FAMILY)
+    """Re-quantise x = (e2m1 values, power-of-two scales per x_block_size) to FP8 e4m3 with scales per
+    out_block_size, exactly, as the module doc says; a cast that would lose values raises TensorError naming
+    the block (TileKernels: a device assert, or silently lost values). round_sf is unused (the output scales
+    are powers of two), as in TileKernels."""
+    fn = "quant.per_block_cast_lossless"
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(FORMATS)}, got {fmt!r}")
+    if fmt != "e4m3":  # an assert in TileKernels
+        raise ShapeError(f"tile_kernels.{fn}: the lossless cast is e2m1 -> 'e4m3' only, got fmt={fmt!r}")
+    if not isinstance(x, tuple) or len(x) != 2:
+        raise TensorError(f"tile_kernels.{fn}: x must be a (values, scales) tuple, got {type(x).__name__}")
+    data, sf = x
+    tensor(fn, "x[0] (values)", data, (2,), (torch.int8,))
+    tensor(fn, "x[1] (scales)", sf, (2,), (torch.int32, torch.float32))
+    if not data.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: x[0] (values) must be contiguous, got strides {data.stride()}")
+    col_major = sf.stride(0) == 1  # TileKernels reads the layout off the strides
+    if not col_major and (sf.stride(1) != 1 or sf.dtype != torch.float32):
+        raise TensorError(f"tile_kernels.{fn}: x[1] (scales) must be float32 with a contiguous last axis, or "
+                          f"column-major (stride(0) == 1); got {sf.dtype} strides {sf.stride()}")
+    blocks = []
+    for what, b in (("x_block_size", x_block_size), ("out_block_size", out_block_size)):
+        if not isinstance(b, (tuple, list)) or len(b) != 2:
+            raise ShapeError(f"tile_kernels.{fn}: {what} must be a (num_per_tokens, num_per_channels) tuple, "
+                             f"got {b!r}")
+        bm, bk = as_int(fn, f"{what}[0]", b[0]), as_int(fn, f"{what}[1]", b[1])
+        if bm < 1 or bk < 1 or bk & (bk - 1):
+            raise ShapeError(f"tile_kernels.{fn}: {what} must be positive with a power-of-two num_per_channels, "
+                             f"got {tuple(b)!r}")
+        blocks.append((bm, bk))
+    (bmi, bki), (bmo, bko) = blocks
+    if bmo % bmi or bko % bki:
+        raise ShapeError(f"tile_kernels.{fn}: out_block_size {(bmo, bko)} must be a multiple of x_block_size "
+                         f"{(bmi, bki)} both ways")
+    if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
+        raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
+    num_tokens, hidden = data.shape[0], data.shape[1] * 2
+    if hidden % 32:
+        raise ShapeError(f"tile_kernels.{fn}: hidden (2 * x[0].shape[1]) = {hidden} must be a multiple of 32")
+    cols = -(-hidden // bki)
+    want = (-(-num_tokens // bmi), -(-cols // 4) if sf.dtype == torch.int32 else cols)
+    if tuple(sf.shape) != want:
+        raise TensorError(f"tile_kernels.{fn}: x[1] (scales) has shape {tuple(sf.shape)}, expected {want} for "
+                          f"{num_tokens} tokens, hidden {hidden} and x_block_size {(bmi, bki)}")
+    require_kernel(fn, FAMILY, "per_block_cast_lossless",
+                   {"hidden": hidden, "in_block_m": bmi, "in_block_k": bki, "out_block_m": bmo, "out_block_k": bko},
+                   {"hidden": "hidden", "in_block_m": "x_block_size[0]", "in_block_k": "x_block_size[1]",
+                    "out_block_m": "out_block_size[0]", "out_block_k": "out_block_size[1]"},
+                   {"num_tokens": max(1, num_tokens)})
+    return ops.per_block_cast_lossless(data, sf, (bmi, bki), (bmo, bko),
+                                       col_major_scales=bool(use_tma_aligned_col_major_sf),
+                                       packed_ue8m0=bool(use_packed_ue8m0))
 
 
 # -- per_token_cast / cast_back, fmt e5m6 ----------------------------------------------------------------
