@@ -2,10 +2,12 @@
 
     out[t, n, h] = bf16(post_layer_mix[t, n] * x[t, h] + sum_m comb_res_mix[t, m, n] * residual[t, m, h])
 
-in float32, in TileKernels' order: the post term first, then one fused multiply-add per stream m = 0,
-1, ...; rounded once to bf16 (round to nearest even). The spec's reference is the float64 value rounded
-once (`_post.forward`); the two differ by one ulp on the rare elements where float32's error crosses a
-bf16 rounding boundary, as TileKernels' kernel and its float32 torch reference do.
+in float32, in the order nvcc compiles TileKernels' loop `acc = post * x; acc += comb[m] * res[m]` to
+(sm_90a PTX): acc = fma(post, x, comb[0] * res[0]) (that product rounded), then one fused multiply-add
+per stream m = 1, 2, ... (`_post.forward_fma32` replays it); rounded once to bf16 (nearest even). The
+spec's reference is the float64 value rounded once (`_post.forward`); the two differ by one ulp on the rare
+elements where float32's error crosses a bf16 rounding boundary, as TileKernels' kernel and its float32
+torch reference do.
 
 Layout: the block's `block_tokens` tokens are cut into chunks of `vec` channels (block_tokens * hidden /
 vec of them); thread tx takes chunks tx, tx + threads, ... so a warp's accesses are contiguous spans of

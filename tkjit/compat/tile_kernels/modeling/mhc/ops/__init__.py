@@ -299,8 +299,9 @@ def mhc_post_fwd(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mhc_post's forward alone (no autograd): out (n0, n1, mhc, hidden) bf16, a new tensor or `out`
-    (bf16, residual's shape, contiguous). The float32 sums run in TileKernels' order (post term first, then
-    one fused multiply-add per stream), rounded once to bf16."""
+    (bf16, residual's shape, contiguous). The float32 sums run in the order its compiled loop has (the
+    post term fused with the first stream's rounded product, then one fused multiply-add per stream),
+    rounded once to bf16."""
     fn = "modeling.mhc.ops.mhc_post_fwd"
     n0, n1, m, h = _post_args(fn, x, residual, post_layer_mix, comb_res_mix)
     if out is None:
