@@ -55,7 +55,7 @@ import torch
 
 from tkjit.registry import register
 from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
-from tkjit_kernels.quant._group_amax import group_amax_macro
+from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
 
 GROUPS = (16, 32, 64, 128)  # TileKernels' per-group sizes (besides group == hidden)
 FP8_MAX = 448.0
@@ -154,16 +154,13 @@ def _build(shape, c, col_major):
     H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
     vec, tpg, threads, iters = c["vec"], c["group_threads"], c["threads"], c["iters"]
     NG = -(-H // G)  # groups per token; the last one is partial when group does not divide hidden
-    cpt = G // (vec * tpg)  # chunks per thread
-    tail = H % G  # channels of a partial last group (0: every group is whole); a multiple of 16
-    # Chunk slots i < whole are inside every group, the last included: they load and store unguarded.
-    # The partial group has tail // vec chunks; slot i holds chunks [i * tpg, (i + 1) * tpg).
-    whole = cpt if not tail else (tail // vec) // tpg
+    cpt, tail, whole = group_slots(H, G, vec, tpg)  # chunk slots per thread, partial-group channels, whole slots
     per_thread = cpt * vec
     slots = threads // tpg  # groups a block works on at once
     gpb = slots * iters  # groups per block
     wpg = max(1, tpg // 32)  # warps per group
     group_amax = group_amax_macro(T, per_thread=per_thread, tpg=tpg)
+    group_load = group_load_macro(T, hidden=H, group=G, vec=vec, tpg=tpg, in_dtype=in_dtype)
     num_tokens = T.dynamic("num_tokens")
     f32, fp8 = T.float32, T.float8_e4m3fn
     # Column-major scales: (NG, num_tokens rounded up to TMA_ALIGN), the same expression as the
@@ -196,20 +193,7 @@ def _build(shape, c, col_major):
                 pc = T.min(p, total - 1)  # tail threads redo the last group, store nothing
                 row = pc // NG
                 col = (pc % NG) * G
-                for i in T.unroll(whole):
-                    for v in T.vectorized(vec):
-                        xs[i * vec + v] = x[row, col + (i * tpg + t) * vec + v]
-                if tail:
-                    # Chunks a partial last group may lack: a row's last group loads only its real
-                    # channels (never a strided view's neighbours, never past the end of x); the
-                    # missing ones count as 0, which leaves the amax of |x| unchanged.
-                    for i in T.unroll(whole, cpt):
-                        if col + (i * tpg + t) * vec < H:
-                            for v in T.vectorized(vec):
-                                xs[i * vec + v] = x[row, col + (i * tpg + t) * vec + v]
-                        else:
-                            for v in T.vectorized(vec):
-                                xs[i * vec + v] = T.cast(0, in_dtype)
+                group_load(xs, x, row, col, t)
                 group_amax(xs, amax, red if wpg > 1 else None, tx)
                 amax[0] = T.max(amax[0], T.float32(AMAX_MIN))
                 sf[0] = T.ieee_fdiv(amax[0], T.float32(FP8_MAX))

@@ -28,7 +28,7 @@ from tkjit.registry import register
 from tkjit.spec import Align, KernelSpec, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant import _e2m1
 from tkjit_kernels.quant import per_token_cast as _e4m3
-from tkjit_kernels.quant._group_amax import group_amax_macro
+from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
 
 TMA_ALIGN = _e4m3.TMA_ALIGN
 num_groups = _e4m3.num_groups
@@ -54,16 +54,14 @@ def _build(shape, c, col_major):
     H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
     vec, tpg, threads, iters = c["vec"], c["group_threads"], c["threads"], c["iters"]
     NG = -(-H // G)  # groups per token; the last one is partial when group does not divide hidden
-    cpt = G // (vec * tpg)  # chunks per thread
-    tail = H % G  # channels of a partial last group (0: every group is whole); a multiple of 16
-    # Chunk slots i < whole are inside every group, the last included: they load and store unguarded.
-    whole = cpt if not tail else (tail // vec) // tpg
+    cpt, tail, whole = group_slots(H, G, vec, tpg)  # chunk slots per thread, partial-group channels, whole slots
     per_thread = cpt * vec
     hv = vec // 2  # bytes of a chunk's output
     slots = threads // tpg  # groups a block works on at once
     gpb = slots * iters  # groups per block
     wpg = max(1, tpg // 32)  # warps per group
     group_amax = group_amax_macro(T, per_thread=per_thread, tpg=tpg)
+    group_load = group_load_macro(T, hidden=H, group=G, vec=vec, tpg=tpg, in_dtype=in_dtype)
     num_tokens = T.dynamic("num_tokens")
     f32, u32, i8 = T.float32, T.uint32, T.int8
     sf_shape = (NG, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, NG)
@@ -105,18 +103,7 @@ def _build(shape, c, col_major):
                 pc = T.min(p, total - 1)  # tail threads redo the last group, store nothing
                 row = pc // NG
                 col = (pc % NG) * G
-                for i in T.unroll(whole):
-                    for v in T.vectorized(vec):
-                        xs[i * vec + v] = x[row, col + (i * tpg + t) * vec + v]
-                if tail:
-                    # A row's partial last group loads only its real channels; the missing ones count as 0.
-                    for i in T.unroll(whole, cpt):
-                        if col + (i * tpg + t) * vec < H:
-                            for v in T.vectorized(vec):
-                                xs[i * vec + v] = x[row, col + (i * tpg + t) * vec + v]
-                        else:
-                            for v in T.vectorized(vec):
-                                xs[i * vec + v] = T.cast(0, in_dtype)
+                group_load(xs, x, row, col, t)
                 group_amax(xs, amax, red if wpg > 1 else None, tx)
                 # The clamp as its bits: 6 * 2^-126 exactly, whatever decimal a literal would print.
                 amax[0] = T.max(amax[0], T.reinterpret(u32(_e2m1.AMAX_MIN_BITS), f32))
