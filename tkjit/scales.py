@@ -12,6 +12,15 @@ from __future__ import annotations
 
 import torch
 
+# Float32 scales per 16 bytes: a column-major scale buffer pads its token axis to a multiple of this (TileKernels'
+# alloc_scaling_factors, the alignment TMA loads need), in every cast with TMA-aligned scales.
+TMA_ALIGN = 4
+
+
+def tma_aligned(n: int) -> int:
+    """n rounded up to a multiple of TMA_ALIGN: the token axis of a column-major scale buffer."""
+    return (n + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN
+
 
 def pack_ue8m0(storage: torch.Tensor) -> torch.Tensor:
     """float32 column-major scales (num_groups, align(num_tokens, 4)) -> packed UE8M0 int32 storage

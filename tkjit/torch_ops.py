@@ -40,8 +40,7 @@ from tkjit.arch import arch_of
 from tkjit.envs import CHECK_INDICES, flag
 from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.kernel import dtype_name, torch_dtype
-
-TMA_ALIGN = 4  # per_token_cast_colmajor pads the token axis of its scales to a multiple of this
+from tkjit.scales import TMA_ALIGN
 
 
 def encode_config(config: Mapping | str | None) -> str | None:

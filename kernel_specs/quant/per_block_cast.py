@@ -52,13 +52,13 @@ import itertools
 import torch
 
 from tkjit.registry import register
+from tkjit.scales import TMA_ALIGN
 from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 
 BLOCKS_M = (1, 32, 64, 128)  # TileKernels' per_block_cast takes 32 and 128; 1 and 64 come free
 BLOCKS_K = (32, 64, 128)
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
-TMA_ALIGN = 4  # float32 scales per 16 bytes: the column-major scale columns are padded to this
 MAX_ELEMS_PER_THREAD = 128  # registers per thread for the staged x
 SPACE = {
     "vec": (4, 8, 16),  # elements per chunk (one or two 16-byte loads)

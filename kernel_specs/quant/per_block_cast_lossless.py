@@ -47,11 +47,11 @@ import itertools
 import torch
 
 from tkjit.registry import register
+from tkjit.scales import TMA_ALIGN
 from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
 
 BLOCKS_K = (8, 16, 32, 64, 128, 256, 512, 1024)  # channel block sizes: powers of two (TileKernels asserts it)
-TMA_ALIGN = 4
 HEADROOM = 6  # e_out = max exponent - 6: e2m1's 6 * 2^6 = 384 fits e4m3 (max 448)
 FLOOR = 5  # an input scale at most 2^(6 + 5) below the max: 0.5 * 2^-5 = 2^-6, e4m3's smallest normal
 MAX_X_BYTES_PER_THREAD = 64  # x staged in registers: 16 chunks of 4 bytes, 8 of 8, 4 of 16

@@ -53,14 +53,14 @@ guard is generated only for such shapes: when group divides hidden the code is t
 
 import torch
 
-from tkjit.registry import register
-from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit.scales import TMA_ALIGN
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
+from tkjit_kernels.quant._layouts import register_scale_layouts
 
 GROUPS = (16, 32, 64, 128)  # TileKernels' per-group sizes (besides group == hidden)
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
-TMA_ALIGN = 4  # float32 scales per 16 bytes (TileKernels' alloc_scaling_factors: align(tokens, 4) for f32)
 MAX_ELEMS_PER_THREAD = 128  # registers per thread for the staged x
 SPACE = {
     "vec": (4, 8, 16),  # elements per chunk (one or two 16-byte loads)
@@ -322,31 +322,9 @@ COMMON = dict(
 )
 _OUT = TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden"))
 
-SPEC = register(
-    KernelSpec(
-        name="per_token_cast",
-        doc="per-token, per-group FP8 e4m3 cast with float32 scales (amax / 448), scales row-major",
-        build=build,
-        outputs=(_OUT, TensorArg("scales", "float32", ("num_tokens", num_groups))),
-        reference=reference,
-        bytes_moved=_bytes_moved,
-        examples=EXAMPLES,
-        **COMMON,
-    )
-)
-
-SPEC_COLMAJOR = register(
-    KernelSpec(
-        name="per_token_cast_colmajor",
-        doc="per_token_cast with TMA-aligned column-major scales (num_groups, align(num_tokens, 4)), padding 0",
-        build=build_colmajor,
-        outputs=(
-            _OUT,
-            TensorArg("scales", "float32", (num_groups, Align("num_tokens", TMA_ALIGN))),
-        ),
-        reference=reference_colmajor,
-        bytes_moved=lambda s: _bytes_moved(s, col_major=True),
-        examples=EXAMPLES,
-        **COMMON,
-    )
+SPEC, SPEC_COLMAJOR = register_scale_layouts(
+    "per_token_cast",
+    "per-token, per-group FP8 e4m3 cast with float32 scales (amax / 448)",
+    out=_OUT, groups=num_groups, build=build, build_colmajor=build_colmajor, reference=reference,
+    reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

@@ -24,13 +24,13 @@ float4 type, which sm_90 lacks in hardware) and packed to vec / 2 bytes, one vec
 
 import torch
 
-from tkjit.registry import register
-from tkjit.spec import Align, KernelSpec, TensorArg, Tolerance, stride_name
+from tkjit.scales import TMA_ALIGN
+from tkjit.spec import TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant import _e2m1
 from tkjit_kernels.quant import per_token_cast as _e4m3
 from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
+from tkjit_kernels.quant._layouts import register_scale_layouts
 
-TMA_ALIGN = _e4m3.TMA_ALIGN
 num_groups = _e4m3.num_groups
 
 
@@ -212,28 +212,9 @@ COMMON = dict(
 )
 _OUT = TensorArg("out", "int8", ("num_tokens", lambda s: s["hidden"] // 2))
 
-SPEC = register(
-    KernelSpec(
-        name="per_token_cast_e2m1",
-        doc="per-token, per-group FP4 e2m1 cast (two codes per int8) with float32 scales (amax / 6), row-major",
-        build=build,
-        outputs=(_OUT, TensorArg("scales", "float32", ("num_tokens", num_groups))),
-        reference=reference,
-        bytes_moved=_bytes_moved,
-        examples=EXAMPLES,
-        **COMMON,
-    )
-)
-
-SPEC_COLMAJOR = register(
-    KernelSpec(
-        name="per_token_cast_e2m1_colmajor",
-        doc="per_token_cast_e2m1 with TMA-aligned column-major scales (num_groups, align(num_tokens, 4)), padding 0",
-        build=build_colmajor,
-        outputs=(_OUT, TensorArg("scales", "float32", (num_groups, Align("num_tokens", TMA_ALIGN)))),
-        reference=reference_colmajor,
-        bytes_moved=lambda s: _bytes_moved(s, col_major=True),
-        examples=EXAMPLES,
-        **COMMON,
-    )
+SPEC, SPEC_COLMAJOR = register_scale_layouts(
+    "per_token_cast_e2m1",
+    "per-token, per-group FP4 e2m1 cast (two codes per int8) with float32 scales (amax / 6)",
+    out=_OUT, groups=num_groups, build=build, build_colmajor=build_colmajor, reference=reference,
+    reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

@@ -30,10 +30,10 @@ import itertools
 
 import torch
 
-from tkjit.registry import register
-from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant import _e5m6
 from tkjit_kernels.quant._group_amax import group_amax_macro
+from tkjit_kernels.quant._layouts import register_scale_layouts
 from tkjit_kernels.quant.per_token_cast import MAX_ELEMS_PER_THREAD, TMA_ALIGN
 
 SPACE = {
@@ -306,28 +306,9 @@ COMMON = dict(
 )
 _OUT = TensorArg("out", "int32", ("num_tokens", lambda s: s["hidden"] * 3 // 8))
 
-SPEC = register(
-    KernelSpec(
-        name="per_token_cast_e5m6",
-        doc="per-token cast to 12-bit e5m6 (three int32 words per eight values), float32 scales amax / 65024",
-        build=build,
-        outputs=(_OUT, TensorArg("scales", "float32", ("num_tokens", 1))),
-        reference=reference,
-        bytes_moved=_bytes_moved,
-        examples=EXAMPLES,
-        **COMMON,
-    )
-)
-
-SPEC_COLMAJOR = register(
-    KernelSpec(
-        name="per_token_cast_e5m6_colmajor",
-        doc="per_token_cast_e5m6 with TMA-aligned column-major scales (1, align(num_tokens, 4)), padding 0",
-        build=build_colmajor,
-        outputs=(_OUT, TensorArg("scales", "float32", (1, Align("num_tokens", TMA_ALIGN)))),
-        reference=reference_colmajor,
-        bytes_moved=lambda s: _bytes_moved(s, col_major=True),
-        examples=EXAMPLES,
-        **COMMON,
-    )
+SPEC, SPEC_COLMAJOR = register_scale_layouts(
+    "per_token_cast_e5m6",
+    "per-token cast to 12-bit e5m6 (three int32 words per eight values), float32 scales amax / 65024",
+    out=_OUT, groups=1, build=build, build_colmajor=build_colmajor, reference=reference,
+    reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

@@ -32,13 +32,13 @@ import struct
 
 import torch
 
-from tkjit.registry import register
-from tkjit.spec import Align, KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.scales import TMA_ALIGN
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance
 from tkjit_kernels.quant import per_token_cast as ptc
 from tkjit_kernels.quant._group_amax import group_amax_macro
+from tkjit_kernels.quant._layouts import register_scale_layouts
 
 FP8_MAX = ptc.FP8_MAX
-TMA_ALIGN = ptc.TMA_ALIGN
 GROUPS = ptc.GROUPS
 SPACE = ptc.SPACE
 AMAX_MIN = 1e-4  # TileKernels' e4m3 amax clamp (its sf_clamp_min default)
@@ -402,28 +402,9 @@ COMMON = dict(
 )
 _OUT = TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden"))
 
-SPEC = register(
-    KernelSpec(
-        name="swiglu_forward_and_per_token_cast",
-        doc="SwiGLU (optional clamp, routing weights) then per-token FP8 e4m3 cast, float32 scales row-major",
-        build=build,
-        outputs=(_OUT, TensorArg("scales", "float32", ("num_tokens", num_groups))),
-        reference=reference,
-        bytes_moved=_bytes_moved,
-        examples=EXAMPLES,
-        **COMMON,
-    )
-)
-
-SPEC_COLMAJOR = register(
-    KernelSpec(
-        name="swiglu_forward_and_per_token_cast_colmajor",
-        doc="swiglu_forward_and_per_token_cast with TMA-aligned column-major scales (num_groups, align(tokens, 4))",
-        build=build_colmajor,
-        outputs=(_OUT, TensorArg("scales", "float32", (num_groups, Align("num_tokens", TMA_ALIGN)))),
-        reference=reference_colmajor,
-        bytes_moved=lambda s: _bytes_moved(s, col_major=True),
-        examples=EXAMPLES,
-        **COMMON,
-    )
+SPEC, SPEC_COLMAJOR = register_scale_layouts(
+    "swiglu_forward_and_per_token_cast",
+    "SwiGLU (optional clamp, routing weights) then per-token FP8 e4m3 cast, float32 scales",
+    out=_OUT, groups=num_groups, build=build, build_colmajor=build_colmajor, reference=reference,
+    reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

@@ -1,0 +1,31 @@
+"""The two scale layouts of a per-token cast, registered as a pair of specs.
+
+`NAME` stores its float32 scales row-major, (num_tokens, groups); `NAME_colmajor` stores them as the
+TMA-aligned column-major buffer DeepGEMM reads, (groups, align(num_tokens, 4)), its padding written 0.0
+(the op returns the (num_tokens, groups) view of it). The two differ in their builder, their reference and
+the scale bytes they move; everything else (params, space, default, inputs) is the cast's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tkjit.registry import register
+from tkjit.scales import TMA_ALIGN
+from tkjit.spec import Align, KernelSpec, TensorArg
+
+
+def register_scale_layouts(name: str, doc: str, *, out: TensorArg, groups: Any, build: Callable,
+                           build_colmajor: Callable, reference: Callable, reference_colmajor: Callable,
+                           bytes_moved: Callable[..., int], **fields: Any) -> tuple[KernelSpec, KernelSpec]:
+    """(row-major spec, column-major spec). groups: the scale columns per token (a dim: an int, a param
+    name or a function of the shape); bytes_moved(shape, col_major=False)."""
+    row = register(KernelSpec(
+        name=name, doc=f"{doc}; scales row-major", build=build, reference=reference, bytes_moved=bytes_moved,
+        outputs=(out, TensorArg("scales", "float32", ("num_tokens", groups))), **fields))
+    col = register(KernelSpec(
+        name=f"{name}_colmajor", doc=f"{name} with TMA-aligned column-major scales (groups, align(num_tokens, 4))",
+        build=build_colmajor, reference=reference_colmajor, bytes_moved=lambda s: bytes_moved(s, col_major=True),
+        outputs=(out, TensorArg("scales", "float32", (groups, Align("num_tokens", TMA_ALIGN)))), **fields))
+    return row, col
