@@ -40,7 +40,7 @@ from tkjit.arch import arch_of
 from tkjit.envs import CHECK_INDICES, flag
 from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.kernel import dtype_name, torch_dtype
-from tkjit.scales import TMA_ALIGN
+from tkjit.scales import tma_aligned
 
 
 def encode_config(config: Mapping | str | None) -> str | None:
@@ -253,7 +253,7 @@ per_token_cast_colmajor = torch.library.custom_op(
 @per_token_cast_colmajor.register_fake
 def _(x, group=128, round_scale=False, config=None):
     q, groups = _fake_cast("per_token_cast_colmajor", x, group, round_scale)
-    return q, x.new_empty((groups, (x.shape[0] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+    return q, x.new_empty((groups, tma_aligned(x.shape[0])), dtype=torch.float32)
 
 
 # -- transpose -------------------------------------------------------------------------------------
@@ -664,7 +664,7 @@ def _expand_sf_need(x, x_sf, token_topk_to_pos, pos_to_expert) -> None:
 
 
 def _sf_storage_cols(p: int) -> int:
-    return (p + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN
+    return tma_aligned(p)
 
 
 def expand_to_fused_with_sf_impl(x, x_sf, num_per_channels, token_topk_to_pos, pos_to_expert,
@@ -1005,7 +1005,7 @@ per_block_cast_colmajor = torch.library.custom_op(
 @per_block_cast_colmajor.register_fake
 def _(x, block_m=128, block_k=128, round_scale=False, config=None):
     q, rows, cols = _fake_block_cast("per_block_cast_colmajor", x, block_m, block_k, round_scale)
-    return q, x.new_empty((cols, (rows + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+    return q, x.new_empty((cols, tma_aligned(rows)), dtype=torch.float32)
 
 
 def per_block_cast_with_sf_impl(x, sf, block_m=128, block_k=128, config=None):
@@ -1434,7 +1434,7 @@ per_token_cast_e5m6_colmajor = torch.library.custom_op(
 @per_token_cast_e5m6_colmajor.register_fake
 def _(x, round_scale=False, config=None):
     words = _fake_e5m6_cast("per_token_cast_e5m6_colmajor", x, round_scale)
-    return words, x.new_empty((1, (x.shape[0] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+    return words, x.new_empty((1, tma_aligned(x.shape[0])), dtype=torch.float32)
 
 
 def _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype) -> dict:
@@ -1876,7 +1876,7 @@ def _(x, pos_to_token_topk=None, topk_weights=None, pos_to_expert=None, clamped_
     q = x.new_empty((n, h), dtype=torch.float8_e4m3fn)
     groups = h // group
     if col_major_scales:
-        return q, x.new_empty((groups, (n + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+        return q, x.new_empty((groups, tma_aligned(n)), dtype=torch.float32)
     return q, x.new_empty((n, groups), dtype=torch.float32)
 
 
@@ -2333,7 +2333,7 @@ per_token_cast_e2m1_colmajor = torch.library.custom_op(
 @per_token_cast_e2m1_colmajor.register_fake
 def _(x, group=128, round_scale=False, config=None):
     q, groups = _fake_e2m1_cast("per_token_cast_e2m1_colmajor", x, group, round_scale)
-    return q, x.new_empty((groups, (x.shape[0] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+    return q, x.new_empty((groups, tma_aligned(x.shape[0])), dtype=torch.float32)
 
 
 # -- mhc_multilayer_recompute ------------------------------------------------------------------------
@@ -2480,4 +2480,4 @@ per_block_cast_lossless_colmajor = torch.library.custom_op(
 def _(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128, config=None):
     q, rows, cols = _fake_lossless("per_block_cast_lossless_colmajor", x, sf, in_block_m, in_block_k, out_block_m,
                                    out_block_k)
-    return q, x.new_empty((cols, (rows + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN), dtype=torch.float32)
+    return q, x.new_empty((cols, tma_aligned(rows)), dtype=torch.float32)

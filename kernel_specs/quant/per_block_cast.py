@@ -52,7 +52,7 @@ import itertools
 import torch
 
 from tkjit.registry import register
-from tkjit.scales import TMA_ALIGN
+from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 
 BLOCKS_M = (1, 32, 64, 128)  # TileKernels' per_block_cast takes 32 and 128; 1 and 64 come free
@@ -316,7 +316,7 @@ def reference_colmajor(shape, x):
     """Same values as `reference`; scales as (num_blocks_k, align(num_blocks_m, 4)), padding 0.0."""
     q, sf = reference(shape, x)
     nbm, nbk = sf.shape
-    storage = torch.zeros(nbk, -(-nbm // TMA_ALIGN) * TMA_ALIGN, dtype=torch.float32)
+    storage = torch.zeros(nbk, tma_aligned(nbm), dtype=torch.float32)
     storage[:, :nbm] = sf.T
     return q, storage
 
@@ -423,7 +423,7 @@ SPEC_COLMAJOR = register(
         ),
         make_inputs=make_inputs,
         reference=reference_colmajor,
-        bytes_moved=lambda s: _bytes_moved(s, -(-_num_blocks_m(s) // TMA_ALIGN) * TMA_ALIGN),
+        bytes_moved=lambda s: _bytes_moved(s, tma_aligned(_num_blocks_m(s))),
         examples=EXAMPLES,
         **COMMON,
     )

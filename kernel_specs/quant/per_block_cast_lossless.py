@@ -47,7 +47,7 @@ import itertools
 import torch
 
 from tkjit.registry import register
-from tkjit.scales import TMA_ALIGN
+from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
 
@@ -354,7 +354,7 @@ def reference(shape, x, sf):
 def reference_colmajor(shape, x, sf):
     q, scales, lossy = reference_parts(shape, x, sf)
     rows, cols = scales.shape
-    storage = torch.zeros(cols, -(-rows // TMA_ALIGN) * TMA_ALIGN, dtype=torch.float32)
+    storage = torch.zeros(cols, tma_aligned(rows), dtype=torch.float32)
     storage[:, :rows] = scales.T
     return q, storage, lossy
 
@@ -384,7 +384,7 @@ def make_inputs(shape, device="cpu", seed=0):
 def _bytes_moved(s, col_major=False):
     n, h = s["num_tokens"], s["hidden"]
     rows_in, rows_out = -(-n // s["in_block_m"]), -(-n // s["out_block_m"])
-    out_rows = -(-rows_out // TMA_ALIGN) * TMA_ALIGN if col_major else rows_out
+    out_rows = tma_aligned(rows_out) if col_major else rows_out
     return n * h // 2 + n * h + rows_in * _in_cols(s) * 4 + out_rows * num_blocks_k(s) * 4
 
 

@@ -53,7 +53,7 @@ guard is generated only for such shapes: when group divides hidden the code is t
 
 import torch
 
-from tkjit.scales import TMA_ALIGN
+from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import Runtime, Static, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
 from tkjit_kernels.quant._layouts import register_scale_layouts
@@ -279,7 +279,7 @@ def reference_colmajor(shape, x):
     """Same values as `reference`; scales as (num_groups, align(num_tokens, 4)), padding 0.0."""
     q, sf = reference(shape, x)
     n, ng = sf.shape
-    storage = torch.zeros(ng, -(-n // TMA_ALIGN) * TMA_ALIGN, dtype=torch.float32)
+    storage = torch.zeros(ng, tma_aligned(n), dtype=torch.float32)
     storage[:, :n] = sf.T
     return q, storage
 
@@ -290,7 +290,7 @@ def pass_configs(c):
 
 def _bytes_moved(s, col_major=False):
     n, h, ng = s["num_tokens"], s["hidden"], num_groups(s)
-    sf_rows = -(-n // TMA_ALIGN) * TMA_ALIGN if col_major else n
+    sf_rows = tma_aligned(n) if col_major else n
     return n * h * (_elem_bytes(s) + 1) + ng * sf_rows * 4
 
 

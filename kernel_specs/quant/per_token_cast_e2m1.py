@@ -24,7 +24,7 @@ float4 type, which sm_90 lacks in hardware) and packed to vec / 2 bytes, one vec
 
 import torch
 
-from tkjit.scales import TMA_ALIGN
+from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant import _e2m1
 from tkjit_kernels.quant import per_token_cast as _e4m3
@@ -179,14 +179,14 @@ def reference_colmajor(shape, x):
     """Same values as `reference`; scales as (num_groups, align(num_tokens, 4)), padding 0.0."""
     q, sf = reference(shape, x)
     n, ng = sf.shape
-    storage = torch.zeros(ng, -(-n // TMA_ALIGN) * TMA_ALIGN, dtype=torch.float32, device=sf.device)
+    storage = torch.zeros(ng, tma_aligned(n), dtype=torch.float32, device=sf.device)
     storage[:, :n] = sf.T
     return q, storage
 
 
 def _bytes_moved(s, col_major=False):
     n, h, ng = s["num_tokens"], s["hidden"], num_groups(s)
-    sf_rows = -(-n // TMA_ALIGN) * TMA_ALIGN if col_major else n
+    sf_rows = tma_aligned(n) if col_major else n
     return n * h * (2 if s["in_dtype"] == "bfloat16" else 4) + n * h // 2 + ng * sf_rows * 4
 
 

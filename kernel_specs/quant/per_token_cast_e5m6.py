@@ -30,11 +30,12 @@ import itertools
 
 import torch
 
+from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import Runtime, Static, TensorArg, Tolerance, stride_name
 from tkjit_kernels.quant import _e5m6
 from tkjit_kernels.quant._group_amax import group_amax_macro
 from tkjit_kernels.quant._layouts import register_scale_layouts
-from tkjit_kernels.quant.per_token_cast import MAX_ELEMS_PER_THREAD, TMA_ALIGN
+from tkjit_kernels.quant.per_token_cast import MAX_ELEMS_PER_THREAD
 
 SPACE = {
     "vec": (8, 16, 32),  # channels per chunk: vec / 8 groups of eight values, 3 * vec / 8 output words
@@ -268,14 +269,14 @@ def reference_colmajor(shape, x):
     """Same words; the scales as their (1, align(num_tokens, 4)) storage, padding 0.0."""
     words, sf = reference(shape, x)
     n = sf.shape[0]
-    storage = torch.zeros(1, -(-n // TMA_ALIGN) * TMA_ALIGN, dtype=torch.float32, device=sf.device)
+    storage = torch.zeros(1, tma_aligned(n), dtype=torch.float32, device=sf.device)
     storage[:, :n] = sf.T
     return words, storage
 
 
 def _bytes_moved(s, col_major=False):
     n, h = s["num_tokens"], s["hidden"]
-    sf_rows = -(-n // TMA_ALIGN) * TMA_ALIGN if col_major else n
+    sf_rows = tma_aligned(n) if col_major else n
     return n * h * _elem_bytes(s) + n * h * 3 // 2 + sf_rows * 4
 
 

@@ -32,7 +32,7 @@ import struct
 
 import torch
 
-from tkjit.scales import TMA_ALIGN
+from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import Runtime, Static, TensorArg, Tolerance
 from tkjit_kernels.quant import per_token_cast as ptc
 from tkjit_kernels.quant._group_amax import group_amax_macro
@@ -343,7 +343,7 @@ def reference_colmajor(shape, *inputs):
     """Same as `reference`; scales as (num_groups, align(num_tokens, 4)), padding 0.0."""
     counter, q, sf = reference(shape, *inputs)
     n, ng = sf.shape
-    storage = torch.zeros(ng, -(-n // TMA_ALIGN) * TMA_ALIGN, dtype=torch.float32, device=sf.device)
+    storage = torch.zeros(ng, tma_aligned(n), dtype=torch.float32, device=sf.device)
     storage[:, :n] = sf.T
     return counter, q, storage
 
@@ -351,7 +351,7 @@ def reference_colmajor(shape, *inputs):
 def _bytes_moved(s, col_major=False):
     n, h, ng = s["num_tokens"], s["hidden"], num_groups(s)
     eb = 2 if s["in_dtype"] == "bfloat16" else 4
-    sf_rows = -(-n // TMA_ALIGN) * TMA_ALIGN if col_major else n
+    sf_rows = tma_aligned(n) if col_major else n
     per_row = 2 * h * eb + h + 8 * s["has_weights"] + 4 * s["has_expert"]
     return n * per_row + ng * sf_rows * 4
 
