@@ -1,6 +1,7 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` (fmt 'e4m3': its per_token_cast
 kernels; 'e2m1': its per_token_cast_e2m1 kernels; 'e5m6': its per_token_cast_e5m6 kernels) and
-`per_token_cast_with_sf_only` (e4m3, e2m1),
+`per_token_cast_with_sf_only` (e4m3, e2m1), `per_token_cast_with_precomputed_sf` (e4m3: the per_block_cast_with_sf
+kernels with one-token blocks),
 `per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its
 per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose`, `per_channel_cast_fused` and
 `swiglu_forward_and_per_channel_cast_and_transpose` for fmt='e4m3' (its kernels of the same names), `cast_back`
@@ -552,7 +553,47 @@ def per_token_cast_with_precomputed_sf(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
-    raise missing("quant.per_token_cast_with_precomputed_sf", FAMILY)
+    """per_token_cast's values with the given scales sf: fp8 e4m3 of clamp(x * (1 / sf), -448, 448) per token and
+    group of num_per_channels (32, 64 or 128) channels, as TileKernels' cast-only kernel. sf is in the layout
+    per_token_cast returns for the same flags: float32 (num_tokens, ceil(hidden / num_per_channels)) row-major,
+    its TMA-aligned column-major view, or (use_packed_ue8m0) the packed UE8M0 int32 view. round_sf is unused (the
+    scales are given), as in TileKernels. Served by tkjit's per_block_cast_with_sf kernel with blocks of one
+    token; column-major or packed scales are first made row-major float32 (a copy of the scales only)."""
+    fn = "quant.per_token_cast_with_precomputed_sf"
+    if fmt == "e5m6":  # TileKernels asserts sf is None for e5m6
+        raise ShapeError(f"tile_kernels.{fn}: fmt='e5m6' takes no precomputed sf")
+    if fmt != "e4m3":
+        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts with precomputed scales to 'e4m3' only)")
+    if isinstance(x, tuple):
+        if not isinstance(x_block_size, tuple):
+            raise ShapeError(f"tile_kernels.{fn}: a (values, scales) x needs x_block_size, got {x_block_size!r}")
+        x = _cast_back(fn, x, "fp32", x_block_size, None)  # dequantised in float32, as in per_token_cast
+    elif x_block_size is not None:
+        raise ShapeError(f"tile_kernels.{fn}: x_block_size={x_block_size!r} is for a (values, scales) x only")
+    if use_packed_ue8m0 and not use_tma_aligned_col_major_sf:
+        raise ShapeError(f"tile_kernels.{fn}: use_packed_ue8m0=True needs use_tma_aligned_col_major_sf=True")
+    tensor(fn, "x", x, (2,), (torch.bfloat16, torch.float32))
+    group = as_int(fn, "num_per_channels", num_per_channels)
+    num_tokens, hidden = x.shape
+    groups = -(-hidden // group) if group > 0 else 0
+    if group not in (32, 64, 128):
+        raise missing(fn, FAMILY, f"num_per_channels={group} (with precomputed scales tkjit takes 32, 64 and 128)")
+    if use_packed_ue8m0:
+        from tkjit_kernels.quant.cast_back import unpack_ue8m0
+
+        tensor(fn, "sf", sf, (2,), (torch.int32,))
+        if tuple(sf.shape) != (num_tokens, -(-groups // 4)):
+            raise TensorError(f"tile_kernels.{fn}: packed sf must have shape {(num_tokens, -(-groups // 4))}, "
+                              f"got {tuple(sf.shape)}")
+        sf = unpack_ue8m0(sf, groups)
+    else:
+        tensor(fn, "sf", sf, (2,), (torch.float32,))
+        if tuple(sf.shape) != (num_tokens, groups):
+            raise TensorError(f"tile_kernels.{fn}: sf must have shape {(num_tokens, groups)} (num_tokens, "
+                              f"ceil(hidden / num_per_channels)), got {tuple(sf.shape)}")
+        if sf.stride(-1) != 1:  # the column-major view per_token_cast returns
+            sf = sf.contiguous()
+    return ops.per_block_cast_with_sf(rows_aligned(x), sf, (1, group))
 
 
 BLOCKS = (32, 128)  # TileKernels' per_block_cast block sizes, each way

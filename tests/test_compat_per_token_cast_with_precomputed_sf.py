@@ -1,0 +1,67 @@
+"""TileKernels' `quant.per_token_cast_with_precomputed_sf` on a CPU host, its kernels (per_token_cast's and
+per_block_cast_with_sf with one-token blocks) served by their references: with the scales per_token_cast returned
+(every layout) it gives per_token_cast's values bit for bit; other scales give clamp(x * (1 / sf)) in e4m3;
+refusals name the argument."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tkjit.compat.tile_kernels as tk
+from tkjit.errors import ShapeError, TensorError
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from reference_kernels import serve_references  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("module_cache")
+KERNELS = ("per_token_cast", "per_token_cast_colmajor", "per_block_cast_with_sf")
+
+
+@pytest.fixture
+def refs(monkeypatch):
+    return serve_references(monkeypatch, KERNELS)
+
+
+def _x(n, hidden, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, hidden, generator=g) * torch.exp(2 * torch.randn(n, 1, generator=g))).to(dtype)
+
+
+@pytest.mark.parametrize("col, packed", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("group", [32, 128])
+def test_with_its_own_scales_it_is_per_token_cast(refs, col, packed, group):
+    x = _x(37, 512, seed=group)
+    q, sf = tk.quant.per_token_cast(x, "e4m3", group, use_tma_aligned_col_major_sf=col, round_sf=True,
+                                    use_packed_ue8m0=packed)
+    q2 = tk.quant.per_token_cast_with_precomputed_sf(x, "e4m3", group, sf, use_tma_aligned_col_major_sf=col,
+                                                     use_packed_ue8m0=packed)
+    assert q2.dtype == torch.float8_e4m3fn and q2.shape == x.shape
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_other_scales_give_clamped_x_times_inverse(refs):
+    x = _x(9, 256, torch.float32, seed=3)
+    sf = torch.rand(9, 2) * 0.01 + 1e-3  # small scales: many values saturate at 448
+    q = tk.quant.per_token_cast_with_precomputed_sf(x, "e4m3", 128, sf)
+    want = (x * (1 / sf).repeat_interleave(128, dim=1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (("e5m6", 128, torch.ones(4, 2)), ShapeError, "takes no precomputed sf"),
+    (("e2m1", 128, torch.ones(4, 2)), NotImplementedError, "fmt='e2m1'"),
+    (("e4m3", 16, torch.ones(4, 16)), NotImplementedError, "num_per_channels=16"),
+    (("e4m3", 128, torch.ones(4, 3)), TensorError, "sf must have shape"),
+    (("e4m3", 128, torch.ones(4, 2).double()), TensorError, "sf"),
+], ids=["e5m6", "e2m1", "group16", "sf shape", "sf dtype"])
+def test_refusals_name_the_argument(args, error, match):
+    with pytest.raises(error, match=match):
+        tk.quant.per_token_cast_with_precomputed_sf(torch.zeros(4, 256), *args)
+
+
+def test_packed_needs_column_major():
+    with pytest.raises(ShapeError, match="use_tma_aligned_col_major_sf=True"):
+        tk.quant.per_token_cast_with_precomputed_sf(torch.zeros(4, 256), "e4m3", 128,
+                                                    torch.ones(4, 1, dtype=torch.int32), use_packed_ue8m0=True)
