@@ -273,6 +273,28 @@ class Tolerance:
         return None
 
 
+def cuda_only(why: str) -> Callable[[str, Config, Shape], str | None]:
+    """An arch_constraint for a kernel TileLang's C target cannot lower: every config is refused on "cpu",
+    with `why` (what the kernel needs) in the message."""
+    reason = f"{why}: CUDA targets only"
+
+    def arch_constraint(arch: str, config: Config, shape: Shape) -> str | None:
+        return reason if arch == "cpu" else None
+
+    return arch_constraint
+
+
+def plain_threads(config: Config) -> dict[str, Any]:
+    """pass_configs of a kernel that places its own barriers and threads: no warp specialisation."""
+    return {"tl.disable_warp_specialized": True}
+
+
+def ieee_plain_threads(config: Config) -> dict[str, Any]:
+    """plain_threads, and IEEE float maths (expf, divisions, no flush to zero): the kernels whose results are
+    compared bit for bit with a reference computed with IEEE operations."""
+    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+
+
 @dataclass
 class KernelSpec:
     name: str

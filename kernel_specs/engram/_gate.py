@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from tkjit.spec import Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, ieee_plain_threads
 
 MAX_HC = 16
 MAX_HIDDEN = 1 << 16
@@ -64,9 +64,8 @@ def arch_constraint(arch, c, shape):
     return None
 
 
-def pass_configs(c):
-    # IEEE float32 maths (TileKernels' kernels do not use fast math either).
-    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+# IEEE float32 maths (TileKernels' kernels do not use fast math either).
+pass_configs = ieee_plain_threads
 
 
 COMMON = dict(

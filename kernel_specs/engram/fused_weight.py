@@ -18,7 +18,7 @@ bf16 loads: CUDA targets only (TileLang's C target has no bf16).
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance, cuda_only, ieee_plain_threads
 
 MAX_HC = 64
 MAX_HIDDEN = 1 << 20
@@ -44,15 +44,11 @@ def constraint(shape, c):
     return None
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "reads bfloat16, which TileLang's C target does not lower: CUDA targets only"
-    return None
+arch_constraint = cuda_only("reads bfloat16, which TileLang's C target does not lower")
 
 
-def pass_configs(c):
-    # IEEE multiplies with subnormals (torch's result): never fast math / flush to zero.
-    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+# IEEE multiplies with subnormals (torch's result): never fast math / flush to zero.
+pass_configs = ieee_plain_threads
 
 
 def build(shape, c):

@@ -23,7 +23,7 @@ bf16 weights: CUDA targets only.
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance, cuda_only
 from tkjit_kernels.engram._gate import MAX_HC, MAX_HIDDEN, PARTIALS, partials_check, pass_configs
 
 
@@ -48,10 +48,7 @@ def constraint(shape, c):
     return None
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "reads bfloat16 weights, which TileLang's C target does not lower: CUDA targets only"
-    return None
+arch_constraint = cuda_only("reads bfloat16 weights, which TileLang's C target does not lower")
 
 
 def build(shape, c):

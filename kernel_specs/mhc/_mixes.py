@@ -31,7 +31,7 @@ from collections import namedtuple
 
 import torch
 
-from tkjit.spec import Runtime, Static, Tolerance
+from tkjit.spec import Runtime, Static, Tolerance, ieee_plain_threads
 
 Segment = namedtuple("Segment", "kind start width k")  # kind: "pre", "post" or "comb"
 VECS = (1, 2, 4)  # floats per vector access: 4..16 bytes
@@ -80,9 +80,8 @@ def arch_constraint_bwd(arch, c, shape):
     return None
 
 
-def pass_configs(c):
-    # IEEE float32 maths (TileKernels' kernels do not use fast math either).
-    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+# IEEE float32 maths (TileKernels' kernels do not use fast math either).
+pass_configs = ieee_plain_threads
 
 
 COMMON = dict(family="mhc", pass_configs=pass_configs, tolerance=Tolerance(rtol=1e-5))

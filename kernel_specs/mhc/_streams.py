@@ -28,7 +28,7 @@ from collections import namedtuple
 
 import torch
 
-from tkjit.spec import Runtime, Static, Tolerance
+from tkjit.spec import Runtime, Static, Tolerance, ieee_plain_threads
 from tkjit_kernels.moe._fused_rows import SPACE
 from tkjit_kernels.moe._fused_rows import constraint as row_constraint
 from tkjit_kernels.moe._fused_rows import default as row_default
@@ -60,9 +60,8 @@ def arch_constraint(arch, c, shape):
     return None
 
 
-def pass_configs(c):
-    # IEEE arithmetic (no fast math): the fused multiply-adds and the final rounding are the results.
-    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+# IEEE arithmetic (no fast math): the fused multiply-adds and the final rounding are the results.
+pass_configs = ieee_plain_threads
 
 
 COMMON = dict(

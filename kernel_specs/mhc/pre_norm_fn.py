@@ -23,7 +23,7 @@ once per warp for its tokens_per_warp tokens. float64 reference rounded once; rt
 """
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, ieee_plain_threads
 
 MAX_M = 80  # rows of fn (M = 24 at mhc_mult 4, 80 at mhc_mult 8)
 
@@ -44,9 +44,8 @@ def arch_constraint(arch, c, shape):
     return None
 
 
-def pass_configs(c):
-    # IEEE float32 maths (TileKernels' kernels do not use fast math either).
-    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+# IEEE float32 maths (TileKernels' kernels do not use fast math either).
+pass_configs = ieee_plain_threads
 
 
 def check_shape(shape):

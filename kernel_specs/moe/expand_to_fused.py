@@ -22,7 +22,7 @@ Tunables: threads, rows per block, vector width in bytes, vectors per lane (unro
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads
 from tkjit_kernels.moe._fused_rows import ELEM_BYTES, SPACE, geometry, random_mapping
 from tkjit_kernels.moe._fused_rows import constraint as row_constraint
 from tkjit_kernels.moe._fused_rows import default as row_default
@@ -39,14 +39,10 @@ def constraint(shape, c):
     return row_constraint(shape["hidden"], ELEM_BYTES[shape["dtype"]], c)
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "thread-indexed vector copies: CUDA targets only"
-    return None
+arch_constraint = cuda_only("thread-indexed vector copies")
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def build(shape, c):

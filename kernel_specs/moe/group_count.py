@@ -36,7 +36,7 @@ grid size (1 block avoids the cross-block step; more blocks read faster) and the
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, ScalarArg, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, ScalarArg, Static, TensorArg, Tolerance, plain_threads
 
 MAX_IDS = 8192  # shared-memory counters: 32 KB of int32 at most
 MAX_TOPK = 64
@@ -84,8 +84,7 @@ def arch_constraint(arch: str, c: dict, shape: dict) -> str | None:
     return None
 
 
-def pass_configs(c: dict) -> dict:
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):

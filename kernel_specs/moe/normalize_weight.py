@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, ieee_plain_threads
 
 MAX_TOPK = 256
 EPS = 1e-20  # TileKernels' starting value of the sum (keeps an all-zero row finite: 0 / 1e-20 = 0)
@@ -56,9 +56,8 @@ def arch_constraint(arch, c, shape):
     return None
 
 
-def pass_configs(c):
-    # Bit-exactness needs IEEE division: never fast math.
-    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+# Bit-exactness needs IEEE division: never fast math.
+pass_configs = ieee_plain_threads
 
 
 def build(shape, c):

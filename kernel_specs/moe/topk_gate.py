@@ -36,7 +36,7 @@ key, then min on the index among lanes holding the max: two instructions instead
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, plain_threads
 
 MAX_EXPERTS = 1024
 MAX_PER_LANE = 64  # registers of keys per lane (plus the float staging copy): beyond this it spills
@@ -297,8 +297,7 @@ def reference(shape, scores):
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : shape["k"]].contiguous()
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 SPEC = register(

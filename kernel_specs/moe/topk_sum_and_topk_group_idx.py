@@ -28,7 +28,7 @@ Layouts (`layout`):
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, plain_threads
 
 MAX_GROUPS = 32
 MAX_PER_GROUP = 256
@@ -68,8 +68,7 @@ def arch_constraint(arch: str, c: dict, shape: dict) -> str | None:
     return None
 
 
-def pass_configs(c: dict) -> dict:
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def build(shape: dict, c: dict):

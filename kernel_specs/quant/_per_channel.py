@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tkjit.spec import Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only
 
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
@@ -71,10 +71,7 @@ def check_hidden(shape, valid) -> str | None:
     return None
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp-level code and FP8 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp-level code and FP8 conversions")
 
 
 def pass_configs(c):

@@ -41,7 +41,7 @@ import itertools
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant import _e2m1 as e2m1
 from tkjit_kernels.quant._e2m1 import E2M1  # noqa: F401 (codes 0..15 as values; tests import it from here)
 from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
@@ -153,14 +153,10 @@ def x_align(shape, c):
     return max(4, int(c["vec"] * in_bytes(shape)))
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs FP8 and bf16 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs FP8 and bf16 conversions")
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def load_scale(T, sf, k, srow, col_major, sdt):

@@ -20,7 +20,7 @@ bytes), decoded eight values at a time, and stored as 16-byte vectors.
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance, stride_name
+from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant import _e5m6
 from tkjit_kernels.quant import cast_back as cb
 
@@ -64,14 +64,10 @@ def x_align(shape, c):
     return c["vec"] // 2
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs float16 and bf16 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs float16 and bf16 conversions")
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def build(shape, c):

@@ -53,7 +53,7 @@ import torch
 
 from tkjit.registry import register
 from tkjit.scales import TMA_ALIGN, tma_aligned
-from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 
 BLOCKS_M = (1, 32, 64, 128)  # TileKernels' per_block_cast takes 32 and 128; 1 and 64 come free
 BLOCKS_K = (32, 64, 128)
@@ -143,10 +143,7 @@ def x_align(shape, c):
     return c["vec"] * _elem_bytes(shape)
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp shuffles and FP8 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp shuffles and FP8 conversions")
 
 
 def build(shape, c):
@@ -352,8 +349,7 @@ def make_inputs_with_sf(shape, device="cpu", seed=0):
     return x.to(device), sf.contiguous().to(device)
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def _num_blocks_m(s) -> int:

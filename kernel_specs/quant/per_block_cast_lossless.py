@@ -48,7 +48,7 @@ import torch
 
 from tkjit.registry import register
 from tkjit.scales import TMA_ALIGN, tma_aligned
-from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
 
 BLOCKS_K = (8, 16, 32, 64, 128, 256, 512, 1024)  # channel block sizes: powers of two (TileKernels asserts it)
@@ -133,14 +133,10 @@ def x_align(shape, c):
     return c["vec"] // 2
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp shuffles and FP8 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp shuffles and FP8 conversions")
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def build(shape, c):

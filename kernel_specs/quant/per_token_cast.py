@@ -54,7 +54,7 @@ guard is generated only for such shapes: when group divides hidden the code is t
 import torch
 
 from tkjit.scales import TMA_ALIGN, tma_aligned
-from tkjit.spec import Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
 from tkjit_kernels.quant._layouts import register_scale_layouts
 
@@ -134,10 +134,7 @@ def x_align(shape, c):
     return c["vec"] * _elem_bytes(shape)
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp shuffles and FP8 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp shuffles and FP8 conversions")
 
 
 def build(shape, c):
@@ -284,8 +281,7 @@ def reference_colmajor(shape, x):
     return q, storage
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def _bytes_moved(s, col_major=False):

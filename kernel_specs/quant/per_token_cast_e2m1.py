@@ -25,7 +25,7 @@ float4 type, which sm_90 lacks in hardware) and packed to vec / 2 bytes, one vec
 import torch
 
 from tkjit.scales import TMA_ALIGN, tma_aligned
-from tkjit.spec import TensorArg, Tolerance, stride_name
+from tkjit.spec import TensorArg, Tolerance, cuda_only, stride_name
 from tkjit_kernels.quant import _e2m1
 from tkjit_kernels.quant import per_token_cast as _e4m3
 from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
@@ -34,10 +34,7 @@ from tkjit_kernels.quant._layouts import register_scale_layouts
 num_groups = _e4m3.num_groups
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp shuffles: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp shuffles")
 
 
 def build(shape, c):

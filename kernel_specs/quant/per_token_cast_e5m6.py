@@ -31,7 +31,7 @@ import itertools
 import torch
 
 from tkjit.scales import TMA_ALIGN, tma_aligned
-from tkjit.spec import Runtime, Static, TensorArg, Tolerance, stride_name
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant import _e5m6
 from tkjit_kernels.quant._group_amax import group_amax_macro
 from tkjit_kernels.quant._layouts import register_scale_layouts
@@ -105,14 +105,10 @@ def x_align(shape, c):
     return min(16, c["vec"] * _elem_bytes(shape))
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp shuffles: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp shuffles")
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True}
+pass_configs = plain_threads
 
 
 def build(shape, c):

@@ -36,7 +36,7 @@ a group is wholly inside or outside. The row sum: per-thread partials, a warp bu
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, ScalarArg, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, ScalarArg, Static, TensorArg, Tolerance, cuda_only, ieee_plain_threads
 from tkjit_kernels.quant._group_amax import group_amax_macro
 from tkjit_kernels.quant._per_channel import scale_blocks
 from tkjit_kernels.quant.per_token_cast import reference as per_token_cast_reference
@@ -78,14 +78,10 @@ def default(shape):
     return {"vec": 8, "threads": threads}
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp shuffles, bf16 and FP8 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp shuffles, bf16 and FP8 conversions")
 
 
-def pass_configs(c):
-    return {"tl.enable_fast_math": False, "tl.disable_warp_specialized": True}
+pass_configs = ieee_plain_threads
 
 
 def build(shape, c):

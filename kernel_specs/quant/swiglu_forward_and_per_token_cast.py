@@ -33,7 +33,7 @@ import struct
 import torch
 
 from tkjit.scales import TMA_ALIGN, tma_aligned
-from tkjit.spec import Runtime, Static, TensorArg, Tolerance
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only, ieee_plain_threads
 from tkjit_kernels.quant import per_token_cast as ptc
 from tkjit_kernels.quant._group_amax import group_amax_macro
 from tkjit_kernels.quant._layouts import register_scale_layouts
@@ -68,14 +68,10 @@ def constraint(shape, c):
     return ptc.constraint(shape, c)
 
 
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "needs warp shuffles, atomics and FP8 conversions: CUDA targets only"
-    return None
+arch_constraint = cuda_only("needs warp shuffles, atomics and FP8 conversions")
 
 
-def pass_configs(c):
-    return {"tl.disable_warp_specialized": True, "tl.enable_fast_math": False}
+pass_configs = ieee_plain_threads
 
 
 def x_align(shape, c):
