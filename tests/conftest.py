@@ -17,7 +17,7 @@ HAS_CUDA = _has_cuda()
 
 def pytest_runtest_logreport(report):
     """TKJIT_INSTAFAIL=1: a failure's traceback is printed as it happens, not only in the summary at the end, so
-    a run killed at its time limit (the GPU leases) keeps the messages of the failures before the kill."""
+    a run killed at its time limit (the H200 runs) keeps the messages of the failures before the kill."""
     if report.failed and os.environ.get("TKJIT_INSTAFAIL") == "1":
         import sys
 

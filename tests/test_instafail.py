@@ -1,4 +1,4 @@
-"""TKJIT_INSTAFAIL=1 (set by the GPU lease scripts): a failure's message reaches stderr when it happens, so a
+"""TKJIT_INSTAFAIL=1 (set by benchmarks/h200/scripts): a failure's message reaches stderr when it happens, so a
 run killed at its time limit keeps it (the summary at the end never prints then)."""
 
 import os
