@@ -337,8 +337,9 @@ def test_compat_refuses_what_tile_kernels_refuses(call, error, match):
         call()
 
 
-def test_compat_still_missing():
-    with pytest.raises(NotImplementedError, match="per_token_cast_with_precomputed_sf"):
+def test_compat_precomputed_sf_refuses_e5m6():
+    # TileKernels asserts sf is None for e5m6: a ShapeError naming the op, not NotImplementedError
+    with pytest.raises(ShapeError, match="per_token_cast_with_precomputed_sf: fmt='e5m6' takes no precomputed sf"):
         tk.quant.per_token_cast_with_precomputed_sf(torch.zeros(4, 256), "e5m6", 256, torch.ones(4, 1))
 
 
