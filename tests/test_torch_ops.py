@@ -429,3 +429,22 @@ def test_eager_calls_skip_the_dispatcher_and_traced_ones_do_not(reference_kernel
     assert not [o for o in seen.ops if o.startswith("tkjit.")]
     out = tkjit.ops.transpose(torch.empty(5, 8, device="meta"))  # meta: the fake implementation answers
     assert out.shape == (8, 5) and out.is_meta
+
+
+def test_eager_sinkhorn_of_any_batch_shape_is_one_autograd_node():
+    """tkjit.ops.sinkhorn on (..., n, n): the Function flattens the batch itself, so the backward pass walks
+    one node, not the two views a reshape around it would add (each costs host time like a kernel's)."""
+    x = torch.randn(2, 3, 4, 4).requires_grad_()
+    y = tkjit.ops.sinkhorn(x)
+    assert "SinkhornFunction" in type(y.grad_fn).__name__ and y.shape == x.shape
+    assert y.grad_fn.next_functions[0][0].variable is x  # straight from the leaf: no view node between
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    flat = x.detach().reshape(-1, 4, 4).requires_grad_()
+    (want,) = torch.autograd.grad(torch.ops.tkjit.sinkhorn_fwd(flat), flat, g.reshape(-1, 4, 4))
+    assert gx.shape == x.shape and _same(gx, want.view(x.shape))
+    assert _same(y.detach(), torch.ops.tkjit.sinkhorn_fwd(flat.detach()).view(x.shape))
+    xt = torch.randn(4, 4, 3).transpose(0, 2).requires_grad_()  # not contiguous: copied inside, same values
+    (gt,) = torch.autograd.grad(tkjit.ops.sinkhorn(xt), xt, g[0, :3])
+    ft = xt.detach().contiguous().requires_grad_()
+    assert _same(gt, torch.autograd.grad(tkjit.ops.sinkhorn(ft), ft, g[0, :3])[0])

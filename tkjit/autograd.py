@@ -28,18 +28,32 @@ class SinkhornFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, repeat, eps, fwd_config, bwd_config):
-        ctx.save_for_backward(x)
+        # Any (..., n, n): flattened here, where autograd records nothing, rather than by views around
+        # apply (each a node of its own that the backward pass walks: host time comparable to a kernel's).
+        shape, n = x.shape, x.shape[-1]
+        flat = x if x.dim() == 3 and x.is_contiguous() else x.contiguous().view(-1, n, n)
+        ctx.save_for_backward(flat)
         ctx.args = (repeat, eps, bwd_config)
-        return torch_ops.sinkhorn_fwd_impl(x, repeat, eps, fwd_config)
+        y = torch_ops.sinkhorn_fwd_impl(flat, repeat, eps, fwd_config)
+        return y if flat is x else y.view(shape)
 
     @staticmethod
     def backward(ctx, grad_y):
         (x,) = ctx.saved_tensors
         if grad_y.dtype != x.dtype:
             grad_y = grad_y.to(x.dtype)
-        with torch.no_grad():
-            grad_x = torch_ops.sinkhorn_bwd_impl(grad_y.contiguous(), x, *ctx.args)
-        if torch.is_grad_enabled():  # create_graph=True: the gradient's own backward must say why it fails
+        shape = grad_y.shape
+        if grad_y.dim() != 3 or not grad_y.is_contiguous():
+            grad_y = grad_y.contiguous().view(x.shape)
+        grad_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # (the kernel call records nothing; cheaper than a no_grad block)
+        try:
+            grad_x = torch_ops.sinkhorn_bwd_impl(grad_y, x, *ctx.args)
+        finally:
+            torch.set_grad_enabled(grad_enabled)
+        if grad_x.shape != shape:
+            grad_x = grad_x.view(shape)
+        if grad_enabled:  # create_graph=True: the gradient's own backward must say why it fails
             grad_x = _OnceDifferentiable.apply(grad_x, x)
         return grad_x, None, None, None, None
 
@@ -69,11 +83,11 @@ def sinkhorn(
         raise TensorError(f"sinkhorn: x must be a (..., n, n) tensor, got {getattr(x, 'shape', x)}")
     if x.dtype != torch.float32:
         raise TensorError(f"sinkhorn: x must be float32, got {x.dtype}")
-    n = x.shape[-1]
-    flat = x.contiguous().view(-1, n, n)
     args = (int(repeat), float(eps), encode_config(fwd_config), encode_config(bwd_config))
-    y = SinkhornFunction.apply(flat, *args) if plain(flat) else _sinkhorn_fwd(flat, *args)
-    return y.view(x.shape)
+    if plain(x):  # any (..., n, n): the Function flattens it without autograd nodes of its own
+        return SinkhornFunction.apply(x, *args)
+    n = x.shape[-1]
+    return _sinkhorn_fwd(x.contiguous().view(-1, n, n), *args).view(x.shape)
 
 
 # -- expand_to_mhc / pre_apply_mix ---------------------------------------------------------------------

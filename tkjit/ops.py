@@ -15,6 +15,7 @@ import torch
 
 from tkjit import torch_ops  # importing it registers torch.ops.tkjit.*
 from tkjit.autograd import ExpandToMhcFunction, PreApplyMixFunction, SinkhornFunction, plain
+from tkjit.autograd import sinkhorn as _sinkhorn
 from tkjit.errors import ShapeError, TensorError
 from tkjit.scales import pack_ue8m0
 from tkjit.torch_ops import encode_config
@@ -63,8 +64,6 @@ def sinkhorn_bwd(grad_out: torch.Tensor, x: torch.Tensor, repeat: int = 10, eps:
 
 def sinkhorn(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tensor:
     """Differentiable Sinkhorn (forward and backward kernels) over (..., n, n) float32."""
-    from tkjit.autograd import sinkhorn as _sinkhorn
-
     return _sinkhorn(x, repeat, eps)
 
 
