@@ -96,3 +96,61 @@ def test_a_variant_without_its_optional_inputs_is_planned():
         assert k.spec.tolerance.check("topk_weights", got[1], want[1]) is None
     assert all(torch.equal(a, b) for a, b in zip(k(logits, bias, 2.5, 0, 64, 0, 1), first))
     assert not calls
+
+
+def _abi_specs():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    import abi_specs  # registers axpy_inplace (y updated in place) and bincount_scaled (zeroed, caller-sized)
+
+    return abi_specs
+
+
+def _count_full_checks(k) -> list:
+    calls = []
+    real = k._call
+    k._call = lambda *a: calls.append(a) or real(*a)  # the full checks: only when no plan serves
+    return calls
+
+
+def test_in_place_inputs_are_planned_and_updated_on_every_call():
+    _abi_specs()
+    k = tkjit.get("axpy_inplace", {"n": 64, "has_bias": False}, arch="cpu")
+    x, y = torch.randn(64), torch.randn(64)
+    want = y.clone()
+    assert k(x, y, 2.0) is y
+    want += 2.0 * x
+    assert len(k._plans) == 1 and torch.equal(y, want)
+    calls = _count_full_checks(k)
+    for alpha in (0.5, -1.0):
+        got = k(x, y, alpha)
+        want += alpha * x
+        assert got is y and torch.equal(y, want)
+    assert not calls
+    with pytest.raises(TensorError, match="scalar alpha"):  # a planned signature still names a bad scalar
+        k(x, y, "2")
+
+
+def test_out_calls_are_planned_per_out_signature():
+    abi_specs = _abi_specs()
+    k = tkjit.get("bincount_scaled", {"n": 64, "num_bins": 8}, arch="cpu")
+    idx, w = torch.randint(-2, 14, (64,), dtype=torch.int32), torch.randn(64)
+    out = torch.full((13,), 7.0)
+    assert k(idx, w, 1, True, out=out) is out and len(k._out_plans) == 1
+    calls = _count_full_checks(k)
+    for scale in (2, -3):  # zero-filled again on every call, the call's scalars, the same tensor back
+        out.fill_(7.0)
+        got = k(idx, w, scale, True, out=out)
+        assert got is out
+        torch.testing.assert_close(out, abi_specs.bincount_reference(idx, w, 13, scale, True))
+    other = torch.empty(13)
+    assert k(idx, w, 1, True, out=[other]) is other  # same signature, another tensor (and out= as a list)
+    assert not calls
+    with pytest.raises(TensorError, match="counts axis 0"):  # another out signature: the full checks again
+        k(idx, w, 1, True, num_bins=4, out=torch.empty(5))
+    k(idx, w, 1, True, out=torch.empty(5))
+    assert len(calls) == 2 and len(k._out_plans) == 2
+    with pytest.raises(TensorError, match="must be a torch.Tensor"):
+        k(idx, w, 1, True, out=[13.0])

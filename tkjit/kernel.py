@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -117,6 +117,11 @@ class _ArgCheck(NamedTuple):  # a NamedTuple, not a dataclass: it is built at im
     zeroed: bool = False  # an output that starts as zeros
 
 
+def _sigs(tensors: Sequence) -> tuple:
+    """What a plan is keyed on, per tensor: everything the full checks read but its data pointer."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
 _MAX_PLANS = 64  # call signatures remembered per kernel object (a serving loop sees a handful)
 
 
@@ -127,7 +132,8 @@ class CompiledKernel:
     check; a call that passes leaves a plan for its signature (outputs' shapes, the launcher bound to
     those shapes and strides), and later calls with that signature only check what the signature does
     not fix: that each input is a plain tensor (not a FakeTensor or other subclass) and its data pointer's
-    alignment."""
+    alignment. Calls into `out=` tensors have plans of their own, keyed on the outputs' signature too;
+    in-place inputs are planned like any other."""
 
     def __init__(self, spec: KernelSpec, shape: dict[str, Any], config: dict[str, Any], arch: str, key: str,
                  config_source: str, path: Path, _launch: Callable[..., Any], _checked_devices: set | None = None):
@@ -139,6 +145,7 @@ class CompiledKernel:
         self.config_source = config_source
         self.path = path
         self._plans: dict[Any, Callable[[tuple], Any]] = {}
+        self._out_plans: dict[Any, Callable[[tuple, Sequence], Any]] = {}  # calls with out=
         self._launch_fn = _launch
         self._checked_devices = set() if _checked_devices is None else _checked_devices
         self.__post_init__()
@@ -151,6 +158,7 @@ class CompiledKernel:
     def _launch(self, fn: Callable[..., Any]) -> None:
         self._launch_fn = fn
         self._plans.clear()  # plans hold the launcher they were bound with
+        self._out_plans.clear()
 
     def __repr__(self) -> str:
         return f"CompiledKernel({self.describe()})"
@@ -185,10 +193,9 @@ class CompiledKernel:
         self._inouts = [i for i, a in enumerate(self._in) if a.inout]
         self._simple = not (self._scalars or self._caller_sized or self._inouts
                             or any(a.zeroed for a in self._out) or any(not a.present for a in self._in))
-        # Calls a plan can serve: nothing in place. Scalars, zeroed outputs, absent optional inputs and
-        # caller-sized outputs are fine: a plan checks the scalars, zero-fills the zeroed outputs, takes the
-        # present inputs only (as a call passes them), and has the caller's sizes in its signature.
-        self._plannable = not self._inouts
+        # A plan checks the scalars, zero-fills the zeroed outputs, takes the present inputs only (as a call
+        # passes them), has the caller's sizes (or the out= tensors) in its signature and returns the
+        # in-place inputs before the outputs, as the full checks do.
         self._present = [a for a in self._in if a.present]
         self._n_in = len(self._present)
 
@@ -224,6 +231,16 @@ class CompiledKernel:
                 plan = None
             if plan is not None:
                 got = plan(args)
+                if got is not None:
+                    return got
+        elif not kw:
+            try:
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                plan = self._out_plans.get((_sigs(args[:self._n_in]), _sigs(outs)))
+            except Exception:
+                plan = None
+            if plan is not None:
+                got = plan(args, outs)
                 if got is not None:
                     return got
         return self._call(args, out, kw)
@@ -302,11 +319,16 @@ class CompiledKernel:
                 raise
             except Exception as e:  # tvm_ffi reports argument/launch problems as its own errors
                 raise LaunchError(f"{self.name}: launch failed: {type(e).__name__}: {e}") from e
+        if len(args) == self._n_in + len(self._scalars) and (not kw if out is not None else
+                                                               set(kw) <= set(self._caller_sized)):
+            # a plain call: the present inputs and the scalars positionally, sizes by name or out= tensors
+            present = tuple(t for t, a in zip(inputs, self._in) if a.present)
+            if out is None:
+                self._plan(present, outs, device, launched, kw)
+            else:
+                self._plan_out(present, outs, launched)
         if self._inouts:
             outs = [inputs[i] for i in self._inouts] + outs
-        elif out is None and self._plannable and set(kw) <= set(self._caller_sized) and len(args) == self._n_in + len(
-                self._scalars):  # a plain call: the present inputs and the scalars positionally, sizes by name
-            self._plan(tuple(t for t, a in zip(inputs, self._in) if a.present), outs, device, launched, kw)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _plan(self, inputs: tuple, outs: list, device, launched: bool, sizes: dict[str, Any]) -> None:
@@ -319,7 +341,7 @@ class CompiledKernel:
         import torch
 
         tensor = torch.Tensor
-        if any(type(t) is not tensor for t in inputs) or not outs:
+        if any(type(t) is not tensor for t in inputs) or not (outs or self._inouts):
             return
         bind = getattr(self._launch, "bind", None)
         if launched and bind is None:  # a plain function as launcher (tests): every call is checked
@@ -338,7 +360,8 @@ class CompiledKernel:
 
         n_in, n_args = len(inputs), len(inputs) + len(self._scalars)
         zeroed = any(a.zeroed for a in self._out) or not launched  # (an empty batch's outputs are zeros)
-        if self._scalars or zeroed:  # the general form: scalars, zero-filled outputs
+        inouts = tuple(self._present.index(self._in[i]) for i in self._inouts)
+        if self._scalars or zeroed or inouts:  # the general form: scalars, zero-filled outputs, in-place inputs
             scalar_ok = tuple(_scalar_check(s) for s in self._scalars)
             fills = tuple(torch.zeros if a.zeroed or not launched else empty for a in self._out)
 
@@ -363,6 +386,8 @@ class CompiledKernel:
                         raise
                     except Exception as e:
                         raise LaunchError(f"{name}: launch failed: {type(e).__name__}: {e}") from e
+                if inouts:
+                    got = [tensors[i] for i in inouts] + got
                 return got[0] if len(got) == 1 else tuple(got)
         elif len(inputs) == 1 and len(specs) == 1:  # the common form, without the loops
             (shape, dtype), = specs
@@ -406,6 +431,59 @@ class CompiledKernel:
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[sig] = plan
+
+    def _plan_out(self, inputs: tuple, outs: list, launched: bool) -> None:
+        """As _plan, for a checked call into out= tensors: the signature is the inputs' and the outputs'
+        (shapes, strides, dtypes, devices), so each call only checks that every tensor is a plain
+        torch.Tensor with its data pointer aligned as the kernel accesses it, and the scalars."""
+        import torch
+
+        tensor = torch.Tensor
+        if any(type(t) is not tensor for t in (*inputs, *outs)):
+            return
+        bind = getattr(self._launch, "bind", None)
+        if launched and bind is None:  # a plain function as launcher (tests): every call is checked
+            return
+        sig = (_sigs(inputs), _sigs(outs))
+        go = bind([*inputs, *outs], len(inputs)) if launched else None
+        aligned = tuple((i, a.align) for i, a in enumerate(self._present) if a.align > 1)
+        out_aligned = tuple((i, a.align) for i, a in enumerate(self._out) if a.align > 1)
+        scalar_ok = tuple(_scalar_check(s) for s in self._scalars)
+        zeroed = tuple(i for i, a in enumerate(self._out) if a.zeroed)
+        inouts = tuple(self._present.index(self._in[i]) for i in self._inouts)
+        n_in, n_out, n_args, name = len(inputs), len(outs), len(inputs) + len(self._scalars), self.name
+
+        def plan(args: tuple, outs: Sequence):
+            if len(args) != n_args or len(outs) != n_out:
+                return None
+            tensors, scalars = args[:n_in], args[n_in:]
+            for t in (*tensors, *outs):
+                if type(t) is not tensor:
+                    return None
+            for i, align in aligned:
+                if tensors[i].data_ptr() % align:
+                    return None
+            for i, align in out_aligned:
+                if outs[i].data_ptr() % align:
+                    return None
+            for ok, v in zip(scalar_ok, scalars):
+                if not ok(v):
+                    return None
+            for i in zeroed:
+                outs[i].zero_()
+            if go is not None:
+                try:
+                    go(tensors, outs, scalars)
+                except LaunchError:
+                    raise
+                except Exception as e:
+                    raise LaunchError(f"{name}: launch failed: {type(e).__name__}: {e}") from e
+            got = [tensors[i] for i in inouts] + list(outs)
+            return got[0] if len(got) == 1 else tuple(got)
+
+        if len(self._out_plans) >= _MAX_PLANS:
+            self._out_plans.clear()
+        self._out_plans[sig] = plan
 
     def _split_args(self, args: tuple, kw: dict) -> tuple[list, list, dict[str, int]]:
         """(inputs, scalar values in spec order, caller-given sizes) from a call's arguments."""
