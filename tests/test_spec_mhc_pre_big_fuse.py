@@ -73,11 +73,11 @@ def test_registered_defaults_and_constraints():
     s = tkjit.get_spec(NAME)
     big = full(4096, 4, 7168)
     c = s.default_config(big, "sm_90a")
-    assert c == {"threads": 128, "rows": 1, "vec_bytes": 16, "unroll": 7, "recip": True, "fast_math": False}
+    assert c == {"threads": 128, "rows": 1, "vec_bytes": 16, "unroll": 7, "recip": True}
     assert s.constraint(big, c) is None
     assert s.arch_constraint("cpu", c, big) is not None  # CUDA only
     assert "vec_bytes" in s.constraint(big, {**c, "vec_bytes": 4})  # a quarter of the widest vectors
-    assert s.exact == {"fast_math": False, "recip": False}
+    assert s.exact == {"recip": False}
     with pytest.raises(ShapeError):
         tkjit.get(NAME, {"num_tokens": 8, "mhc_mult": 4, "hidden": 64, **EPS, "sinkhorn_repeat": 0}, arch="sm_90a")
 
@@ -85,7 +85,7 @@ def test_registered_defaults_and_constraints():
 @pytest.mark.parametrize("shape, config", [
     ({"num_tokens": 4096, "mhc_mult": 4, "hidden": 7168}, None),
     ({"num_tokens": 64, "mhc_mult": 4, "hidden": 1000},  # a guarded last chunk, two tokens a block
-     {"threads": 64, "rows": 2, "vec_bytes": 16, "unroll": 3, "recip": False, "fast_math": True}),
+     {"threads": 64, "rows": 2, "vec_bytes": 16, "unroll": 3, "recip": False}),
     ({"num_tokens": 64, "mhc_mult": 2, "hidden": 1280}, None),
 ])
 def test_compiles_for_sm90a(shape, config):
