@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("module_cache")
 KERNELS = ("mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd", "mhc_pre_split_mixes", "mhc_pre_split_mixes_bwd",
            "pre_apply_mix", "pre_apply_mix_bwd", "pre_apply_mix_bwd_acc", "mhc_head_compute_mix",
            "mhc_head_compute_mix_bwd",
-           "sinkhorn_fwd", "sinkhorn_bwd")
+           "sinkhorn_fwd", "sinkhorn_bwd", "mhc_pre_big_fuse")
 TF32_RTOL = 2e-3  # pre_norm_fn rounds fn to TF32 (10 mantissa bits), as TileKernels does
 
 

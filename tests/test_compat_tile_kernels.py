@@ -53,7 +53,7 @@ SERVED = {
     "transpose": {"transpose", "batched_transpose"},
     "modeling.mhc.ops": {"sinkhorn_normalize", "expand_to_mhc", "mhc_pre_apply_mix", "mhc_post", "mhc_post_fwd",
                          "mhc_post_bwd", "mhc_head_compute_mix", "mhc_pre_split_mixes", "mhc_pre_norm_fn",
-                         "mhc_multilayer_recompute"},
+                         "mhc_multilayer_recompute", "mhc_pre_big_fuse"},
     "modeling.mhc": {"expand_from_embedding", "mhc_pre", "mhc_head"},
     "engram": {"engram_hash", "fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce"},
 }

@@ -1126,3 +1126,52 @@ def per_block_cast_lossless(
     if packed_ue8m0:
         storage = pack_ue8m0(storage)
     return q, storage[:, : (x.shape[0] + bmo - 1) // bmo].T
+
+
+# -- mhc_pre_big_fuse --------------------------------------------------------------------------------
+
+def check_pre_big_fuse(fn: str, residual, mhc_fn, mhc_scale, mhc_base) -> tuple[int, int]:
+    """TensorError / ShapeError naming the bad argument of mhc_pre_big_fuse: residual (..., mhc_mult, hidden)
+    bf16, mhc_fn (mhc_mult * (mhc_mult + 2), mhc_mult * hidden) float32, mhc_scale (3,), mhc_base
+    (mhc_mult * (mhc_mult + 2),) float32, all on residual's device. Returns (mhc_mult, hidden)."""
+    _mhc_tensor(fn, "residual", residual, 2, torch.bfloat16, "(..., mhc_mult, hidden)")
+    m, h = residual.shape[-2], residual.shape[-1]
+    w = 2 * m + m * m
+    if not 1 <= m <= 8:
+        raise ShapeError(f"{fn}: mhc_mult (residual.shape[-2]) must be 1 to 8 (the GEMM's mhc_mult * (mhc_mult + 2) "
+                         f"<= 80 rows), got {m}")
+    _mhc_tensor(fn, "fn", mhc_fn, 2, torch.float32, f"of shape ({w}, {m * h})")
+    if tuple(mhc_fn.shape) != (w, m * h):
+        raise TensorError(f"{fn}: fn must have shape (mhc_mult * (mhc_mult + 2), mhc_mult * hidden) = {(w, m * h)} "
+                          f"(residual is {tuple(residual.shape)}), got {tuple(mhc_fn.shape)}")
+    if mhc_fn.device != residual.device:
+        raise TensorError(f"{fn}: fn is on {mhc_fn.device}, residual on {residual.device}")
+    if (m * h) % 32:
+        raise ShapeError(f"{fn}: mhc_mult * hidden = {m * h} must be a multiple of 32")
+    _mix_param(fn, "mhc_scale", mhc_scale, (3,), residual.device)
+    _mix_param(fn, "mhc_base", mhc_base, (w,), residual.device)
+    return m, h
+
+
+def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor,
+                     rms_eps: float, mhc_pre_eps: float, mhc_sinkhorn_eps: float, mhc_post_mult_value: float,
+                     sinkhorn_repeat: int, *, config=None,
+                     gemm_config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC's inference pre-processing, fused (TileKernels' mhc_pre_big_fuse): residual (..., mhc_mult, hidden)
+    bf16, fn (mhc_mult * (mhc_mult + 2), mhc_mult * hidden) float32, mhc_scale (3,), mhc_base float32 ->
+    (post_mix (..., mhc_mult, 1) float32, comb_mix (..., mhc_mult, mhc_mult) float32 (Sinkhorn-normalised),
+    layer_input (..., hidden) bf16): mhc_pre_norm_fn without a norm weight, mhc_pre_split_mixes,
+    sinkhorn_normalize and mhc_pre_apply_mix in two kernels (the GEMM, config gemm_config; the rest, config).
+    Not differentiable (as TileKernels'): its outputs never require grad."""
+    m, h = check_pre_big_fuse("mhc_pre_big_fuse", residual, fn, mhc_scale, mhc_base)
+    outer = residual.shape[:-2]
+    x = residual.reshape(-1, m, h).contiguous()
+    args = (x, fn.contiguous(), mhc_scale.contiguous(), mhc_base.contiguous(), float(rms_eps), float(mhc_pre_eps),
+            float(mhc_sinkhorn_eps), float(mhc_post_mult_value), int(sinkhorn_repeat), encode_config(config),
+            encode_config(gemm_config))
+    if not _is_compiling() and all(type(t) is torch.Tensor and not t.is_meta for t in args[:4]):
+        with torch.no_grad():
+            post, comb, li = torch_ops.mhc_pre_big_fuse_impl(*args)
+    else:
+        post, comb, li = _ops.mhc_pre_big_fuse.default(*args)
+    return post.view(*outer, m, 1), comb.view(*outer, m, m), li.view(*outer, h)

@@ -2481,3 +2481,93 @@ def _(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128, conf
     q, rows, cols = _fake_lossless("per_block_cast_lossless_colmajor", x, sf, in_block_m, in_block_k, out_block_m,
                                    out_block_k)
     return q, x.new_empty((cols, tma_aligned(rows)), dtype=torch.float32)
+
+
+# -- mhc_pre_big_fuse --------------------------------------------------------------------------------
+# torch.ops.tkjit.mhc_pre_big_fuse(residual, fn, mhc_scale, mhc_base, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps,
+#                                  mhc_post_mult_value, sinkhorn_repeat, config=None, gemm_config=None)
+#     -> (post_mix, comb_mix, layer_input)
+# on the flattened tokens: residual (num_tokens, m, hidden) bf16, fn (M, m * hidden) float32 (M = 2m + m*m),
+# mhc_scale (3,), mhc_base (M,) float32 -> post_mix (num_tokens, m), comb_mix (num_tokens, m, m) float32,
+# layer_input (num_tokens, hidden) bf16. Two kernels, as TileKernels runs it: mhc_pre_norm_fn's GEMM (fn rounded
+# to TF32; its out_mul and sqrsum; config gemm_config), then mhc_pre_big_fuse. Inference only, as TileKernels'
+# (no backward): its outputs do not require grad.
+
+def _big_fuse_static(name, residual, fn, mhc_scale, mhc_base) -> dict:
+    _need(residual, (3,), f"{name}: residual")
+    _need(fn, (2,), f"{name}: fn")
+    m, h = int(residual.shape[1]), int(residual.shape[2])
+    w = 2 * m + m * m
+    if tuple(fn.shape) != (w, m * h):
+        raise TensorError(f"{name}: fn must have shape (mhc_mult * (mhc_mult + 2), mhc_mult * hidden) = {(w, m * h)} "
+                          f"for residual {tuple(residual.shape)}, got {tuple(fn.shape)}")
+    for what, t, shape in (("mhc_scale", mhc_scale, (3,)), ("mhc_base", mhc_base, (w,))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise TensorError(f"{name}: {what} must have shape {shape}, got {tuple(getattr(t, 'shape', ()))}")
+    return {"mhc_mult": m, "hidden": h}
+
+
+def _big_fuse_shape(static, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value, sinkhorn_repeat) -> dict:
+    return {**static, "rms_eps": float(rms_eps), "mhc_pre_eps": float(mhc_pre_eps),
+            "mhc_sinkhorn_eps": float(mhc_sinkhorn_eps), "mhc_post_mult_value": float(mhc_post_mult_value),
+            "sinkhorn_repeat": int(sinkhorn_repeat)}
+
+
+def _big_fuse_empty(residual, m, h):
+    return (residual.new_empty((residual.shape[0], m), dtype=torch.float32),
+            residual.new_empty((residual.shape[0], m, m), dtype=torch.float32),
+            residual.new_empty((residual.shape[0], h), dtype=torch.bfloat16))
+
+
+def mhc_pre_big_fuse_impl(residual, fn, mhc_scale, mhc_base, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps,
+                          mhc_post_mult_value, sinkhorn_repeat, config=None, gemm_config=None):
+    """(post_mix, comb_mix, layer_input) of residual (num_tokens, m, hidden) bf16: the GEMM (mhc_pre_norm_fn's
+    kernel, fn rounded to TF32), then the fused norm, split mixes, Sinkhorn and pre mix (mhc_pre_big_fuse)."""
+    name = "mhc_pre_big_fuse"
+    static = _big_fuse_static(name, residual, fn, mhc_scale, mhc_base)
+    m, h = static["mhc_mult"], static["hidden"]
+    n = int(residual.shape[0])
+    shape = {"num_tokens": max(1, n), **_big_fuse_shape(static, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps,
+                                                        mhc_post_mult_value, sinkhorn_repeat)}
+    gemm_shape = {"num_tokens": max(1, n), "mhc_mult3": 2 * m + m * m, "mhc_hidden": m * h,
+                  "norm_eps": float(rms_eps)}
+    gemm = get("mhc_pre_norm_fn", gemm_shape, arch=arch_of(residual), config=_config(gemm_config))
+    fuse = get(name, shape, arch=arch_of(residual), config=_config(config))
+    if n == 0:
+        return _big_fuse_empty(residual, m, h)
+    _, out_mul, sqrsum = gemm(residual.view(n, m * h), tf32_round(fn.contiguous()))
+    return fuse(out_mul, sqrsum, mhc_scale, mhc_base, residual)
+
+
+mhc_pre_big_fuse = torch.library.custom_op(
+    "tkjit::mhc_pre_big_fuse", mutates_args=(),
+    schema="(Tensor residual, Tensor fn, Tensor mhc_scale, Tensor mhc_base, float rms_eps, float mhc_pre_eps, "
+           "float mhc_sinkhorn_eps, float mhc_post_mult_value, int sinkhorn_repeat, str? config=None, "
+           "str? gemm_config=None) -> (Tensor, Tensor, Tensor)",
+)(mhc_pre_big_fuse_impl)
+
+
+@mhc_pre_big_fuse.register_fake
+def _(residual, fn, mhc_scale, mhc_base, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value,
+      sinkhorn_repeat, config=None, gemm_config=None):
+    name = "mhc_pre_big_fuse"
+    static = _big_fuse_static(name, residual, fn, mhc_scale, mhc_base)
+    m, h = static["mhc_mult"], static["hidden"]
+    _fake_check("mhc_pre_norm_fn", {"mhc_mult3": 2 * m + m * m, "mhc_hidden": m * h, "norm_eps": float(rms_eps)},
+                residual.view(residual.shape[0], m * h), fn)
+    _fake_check(name, _big_fuse_shape(static, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value,
+                                      sinkhorn_repeat), fn.new_empty((1, 2 * m + m * m)), fn.new_empty((1,)),
+                mhc_scale, mhc_base, residual)
+    return _big_fuse_empty(residual, m, h)
+
+
+def _big_fuse_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)
+
+
+def _big_fuse_backward(ctx, *grads):
+    raise NotImplementedError("mhc_pre_big_fuse is inference-only (TileKernels' big_fuse has no backward): "
+                              "use mhc_pre_norm_fn, mhc_pre_split_mixes, sinkhorn and mhc_pre_apply_mix for gradients")
+
+
+mhc_pre_big_fuse.register_autograd(_big_fuse_backward, setup_context=_big_fuse_setup_context)

@@ -1430,3 +1430,53 @@ SHAPES.update({  # MXFP4 weights / activations (1 x 32 blocks) to DeepGEMM's 128
          "out_block_k": 128},
     ],
 })
+
+
+# -- mhc_pre_big_fuse ----------------------------------------------------------------------------------
+# Inputs as the spec's make_inputs gives them: the GEMM outputs out_mul (num_tokens, M) and sqrsum (num_tokens,)
+# float32, mhc_scale (3,), mhc_base (M,) float32, residual (num_tokens, mhc_mult, hidden) bf16. TileKernels' row
+# runs its `_mhc_pre_big_fuse` kernel on them (its op's second kernel; the GEMM is mhc_pre_norm_fn's row).
+
+def _big_fuse_torch(shape):
+    m, h = shape["mhc_mult"], shape["hidden"]
+    rms_eps, pre_eps, sk_eps = shape["rms_eps"], shape["mhc_pre_eps"], shape["mhc_sinkhorn_eps"]
+    post_mult, repeat = shape["mhc_post_mult_value"], shape["sinkhorn_repeat"]
+
+    def f(out_mul, sqrsum, scale, base, residual):
+        mixes = out_mul * torch.rsqrt(sqrsum / (m * h) + rms_eps).unsqueeze(-1)
+        s = torch.cat([scale[0].expand(m), scale[1].expand(m), scale[2].expand(m * m)])
+        z = mixes * s + base
+        pre = z[:, :m].sigmoid() + pre_eps
+        post = z[:, m:2 * m].sigmoid() * post_mult
+        comb = z[:, 2 * m:].view(-1, m, m).softmax(-1) + sk_eps
+        comb = comb / (comb.sum(-2, keepdim=True) + sk_eps)
+        for _ in range(repeat - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + sk_eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + sk_eps)
+        return post, comb, (residual * pre.unsqueeze(-1)).sum(-2).bfloat16()
+
+    return f
+
+
+def _big_fuse_tk(shape, inputs):
+    if _tile_kernels() is None:
+        return None
+    from tile_kernels.mhc.pre_big_fuse_kernel import _mhc_pre_big_fuse
+
+    m, h = shape["mhc_mult"], shape["hidden"]
+    out_mul, sqrsum, scale, base, residual = inputs
+    n = residual.shape[0]
+    kernel = _mhc_pre_big_fuse(h, shape["rms_eps"], shape["mhc_pre_eps"], shape["mhc_sinkhorn_eps"],
+                               shape["mhc_post_mult_value"], shape["sinkhorn_repeat"], n_splits=1, mhc_mult=m)
+    post = torch.empty(n, m, dtype=torch.float32, device=residual.device)
+    comb = torch.empty(n, m * m, dtype=torch.float32, device=residual.device)
+    layer_input = torch.empty(n, h, dtype=torch.bfloat16, device=residual.device)
+    mul, sq = out_mul.view(1, n, -1), sqrsum.view(1, n)
+    return lambda: kernel(mul, sq, scale, base, residual, post, comb, layer_input)
+
+
+TORCH.update({"mhc_pre_big_fuse": _big_fuse_torch})
+TILE_KERNELS.update({"mhc_pre_big_fuse": _big_fuse_tk})
+# mhc_mult 4, TileKernels' hidden sizes 1280 to 7168, 1K to 8K tokens.
+SHAPES.update({"mhc_pre_big_fuse": [{"num_tokens": t, "mhc_mult": 4, "hidden": h} for h in (1280, 4096, 7168)
+                                    for t in (1024, 4096, 8192)]})

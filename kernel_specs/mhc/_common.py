@@ -9,6 +9,7 @@ token, its layouts, its tunable space and default) and takes the rest from here:
   reference                       the forward's maths in torch (float64): the backward differentiates it
   random_mats                     make_inputs: normal matrices from one seeded CPU generator
   token_blocks                    TileLang macros over one token's matrix: load/store, softmax start
+  sinkhorn_block                  TileLang macro: the forward normalisation of one token's matrix in registers
 
 The backward's normalisation steps are not shared with the forward's: they sum from eps up and keep
 every step's denominators, so they round differently from the forward's (sum + eps).
@@ -140,3 +141,53 @@ def token_blocks(n, eps, recip):
                 s[i] = 1.0 / (s[i] + eps) if add_eps else 1.0 / s[i]
 
     return TokenBlocks(load, store, load_tile, store_tile, exp_rows, row_sums)
+
+
+def sinkhorn_block(n, repeat, eps, recip):
+    """TileLang macro sinkhorn(m, s): the whole forward normalisation of one token's matrix m (n x n, the
+    thread's registers; s n scratch registers), in place: softmax rows, + eps, then columns, rows, ...
+    (sinkhorn_fwd's per-thread layouts and mhc_pre_big_fuse). With recip, each step multiplies by the
+    reciprocals of its n sums (n divisions, not n * n); without, it divides as the reference does."""
+    from tilelang import language as T
+
+    blocks = token_blocks(n, eps, recip)
+    exp_rows, row_sums = blocks.exp_rows, blocks.row_sums
+
+    @T.macro
+    def normalise_rows(m, s, add_eps):
+        row_sums(m, s, add_eps)
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                if recip:
+                    m[i, j] = m[i, j] * s[i]
+                else:
+                    m[i, j] = m[i, j] / (s[i] + eps) if add_eps else m[i, j] / s[i]
+
+    @T.macro
+    def normalise_cols(m, s):
+        for j in T.unroll(n):
+            s[j] = 0.0
+            for i in T.unroll(n):
+                s[j] += m[i, j]
+            if recip:
+                s[j] = 1.0 / (s[j] + eps)
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                if recip:
+                    m[i, j] = m[i, j] * s[j]
+                else:
+                    m[i, j] = m[i, j] / (s[j] + eps)
+
+    @T.macro
+    def sinkhorn(m, s):
+        exp_rows(m, s)
+        normalise_rows(m, s, False)
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                m[i, j] = m[i, j] + eps
+        normalise_cols(m, s)
+        for _ in T.serial(repeat - 1):
+            normalise_rows(m, s, True)
+            normalise_cols(m, s)
+
+    return sinkhorn

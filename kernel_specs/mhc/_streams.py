@@ -14,6 +14,7 @@ takes the widest vectors and the layout with the fewest idle vector slots (`_fus
   geometry(shape, c)      the row layout of one config (vectors, lanes, chunks, whether to guard)
   fma32                   float32 fma rounded once, exactly, in torch (the references' arithmetic)
   random_streams          make_inputs: seeded bf16 streams, float32 mixes, signed zeros on odd seeds
+  mix_chunk               TileLang macro: a lane's vectors of one token's weighted stream sum (the layer input)
 
 TileKernels' kernels (and so these) round the way their float32 loops do: sums run over the streams
 in order from +0.0, a weighted one as fused multiply-adds (nvcc contracts `acc += w * x`), rounded
@@ -35,7 +36,7 @@ from tkjit_kernels.moe._fused_rows import default as row_default
 from tkjit_kernels.moe._fused_rows import geometry as row_geometry
 from tkjit_kernels.moe.reduce_fused import fma32
 
-__all__ = ["COMMON", "PARAMS", "ELEM", "fma32", "geometry", "random_streams", "stream_bytes"]
+__all__ = ["COMMON", "PARAMS", "ELEM", "fma32", "geometry", "mix_chunk", "random_streams", "stream_bytes"]
 
 ELEM = 2  # bytes of a bfloat16: every row these kernels move is bf16
 
@@ -99,3 +100,37 @@ def random_streams(g, shape, streams, seed, scale=1.0):
         x[..., ::7] = 0.0
         x[..., 3::7] = -0.0
     return x.to(torch.bfloat16)
+
+
+def mix_chunk(M, g, unroll):
+    """TileLang macro mix(x, out, row, first, w, w_row, acc, xs, ys, wl): one lane's vectors of a chunk of
+    token `row`'s layer input (pre_apply_mix and mhc_pre_big_fuse): out[row] = bf16(sum_m fma(w[w_row, m],
+    x[row, m], acc)) from acc = +0.0, stream by stream in order, over the vectors first + u * lanes
+    (u < unroll; guarded past the row's end). acc, xs, ys (unroll * vec) and wl (1) are the lane's registers;
+    w is global (num_tokens, M) or shared memory."""
+    from tilelang import language as T
+
+    vec, hv, lanes, guard = g.vec, g.hv, g.lanes, g.guard
+    U = unroll
+    f32, bf16 = T.float32, T.bfloat16
+
+    @T.macro
+    def mix(x, out, row, first, w, w_row, acc, xs, ys, wl):
+        for e in T.unroll(U * vec):
+            acc[e] = T.float32(0)
+        for m in T.unroll(M):
+            wl[0] = w[w_row, m]
+            for u in T.unroll(U):
+                if (not guard) or first + u * lanes < hv:
+                    for v in T.vectorized(vec):
+                        xs[u * vec + v] = x[row, m, (first + u * lanes) * vec + v]
+            for e in T.unroll(U * vec):
+                acc[e] = T.call_extern("float32", "__fmaf_rn", wl[0], T.cast(xs[e], f32), acc[e])
+        for e in T.unroll(U * vec):
+            ys[e] = T.cast(acc[e], bf16)
+        for u in T.unroll(U):
+            if (not guard) or first + u * lanes < hv:
+                for v in T.vectorized(vec):
+                    out[row, (first + u * lanes) * vec + v] = ys[u * vec + v]
+
+    return mix

@@ -19,15 +19,17 @@ import torch
 
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, TensorArg
-from tkjit_kernels.mhc._streams import COMMON, fma32, geometry, random_streams, stream_bytes
+from tkjit_kernels.mhc._streams import COMMON, fma32, geometry, mix_chunk, random_streams, stream_bytes
 
 
 def build(shape, c):
     from tilelang import language as T
 
     M, H = shape["mhc_mult"], shape["hidden"]
-    vec, hv, lanes, chunk, chunks, guard = geometry(shape, c)
+    g = geometry(shape, c)
+    vec, lanes, chunk, chunks = g.vec, g.lanes, g.chunk, g.chunks
     R, U, threads = c["rows"], c["unroll"], c["threads"]
+    mix_lane = mix_chunk(M, g, U)
     num_tokens = T.dynamic("num_tokens")
     bf16, f32 = T.bfloat16, T.float32
 
@@ -46,22 +48,8 @@ def build(shape, c):
             row = bx * R + tx // lanes
             first = by * chunk + tx % lanes  # this lane's first vector; then every `lanes` vectors
             if row < num_tokens:
-                for e in T.unroll(U * vec):
-                    acc[e] = T.float32(0)
-                for m in T.unroll(M):
-                    w[0] = mix[T.cast(row, "int64"), m]
-                    for u in T.unroll(U):
-                        if (not guard) or first + u * lanes < hv:
-                            for v in T.vectorized(vec):
-                                xs[u * vec + v] = x[T.cast(row, "int64"), m, (first + u * lanes) * vec + v]
-                    for e in T.unroll(U * vec):
-                        acc[e] = T.call_extern("float32", "__fmaf_rn", w[0], T.cast(xs[e], f32), acc[e])
-                for e in T.unroll(U * vec):
-                    ys[e] = T.cast(acc[e], bf16)
-                for u in T.unroll(U):
-                    if (not guard) or first + u * lanes < hv:
-                        for v in T.vectorized(vec):
-                            out[T.cast(row, "int64"), (first + u * lanes) * vec + v] = ys[u * vec + v]
+                row64 = T.cast(row, "int64")
+                mix_lane(x, out, row64, first, mix, row64, acc, xs, ys, w)
 
     return pre_apply_mix
 

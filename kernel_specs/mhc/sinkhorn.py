@@ -9,15 +9,24 @@ Three layouts are tunable:
   fragment  TileLang fragments reduced across threads (T.reduce_*), TileKernels' structure.
 The arithmetic is tiny (~1.3 GFLOP at 1M tokens): the kernel should run at memory speed, which
 the per-thread layouts reach because they issue no shuffles or barriers between the 2*repeat steps.
-Shapes, tensors, the target rule, the reference and the per-token TileLang blocks (load/store, row
-max and exp, row sums) come from _common.py, shared with sinkhorn_bwd.
+Shapes, tensors, the target rule, the reference and the per-token TileLang blocks (load/store, the
+in-register normalisation) come from _common.py, shared with sinkhorn_bwd and mhc_pre_big_fuse.
 """
 
 from __future__ import annotations
 
 from tkjit.registry import register
 from tkjit.spec import KernelSpec
-from tkjit_kernels.mhc._common import COMMON, SMEM_LIMIT, mat_bytes, mats, random_mats, reference, token_blocks
+from tkjit_kernels.mhc._common import (
+    COMMON,
+    SMEM_LIMIT,
+    mat_bytes,
+    mats,
+    random_mats,
+    reference,
+    sinkhorn_block,
+    token_blocks,
+)
 
 LAYOUTS = ("thread", "smem", "fragment")
 
@@ -95,44 +104,8 @@ def build(shape, c):
         return sinkhorn_fragment
 
     # Per-thread layouts: m and s are registers of the thread that owns token t.
-    load, store, load_tile, store_tile, exp_rows, row_sums = token_blocks(n, eps, recip)
-
-    @T.macro
-    def normalise_rows(m, s, add_eps):
-        row_sums(m, s, add_eps)
-        for i in T.unroll(n):
-            for j in T.unroll(n):
-                if recip:
-                    m[i, j] = m[i, j] * s[i]
-                else:
-                    m[i, j] = m[i, j] / (s[i] + eps) if add_eps else m[i, j] / s[i]
-
-    @T.macro
-    def normalise_cols(m, s):
-        for j in T.unroll(n):
-            s[j] = 0.0
-            for i in T.unroll(n):
-                s[j] += m[i, j]
-            if recip:
-                s[j] = 1.0 / (s[j] + eps)
-        for i in T.unroll(n):
-            for j in T.unroll(n):
-                if recip:
-                    m[i, j] = m[i, j] * s[j]
-                else:
-                    m[i, j] = m[i, j] / (s[j] + eps)
-
-    @T.macro
-    def sinkhorn_in_registers(m, s):
-        exp_rows(m, s)
-        normalise_rows(m, s, False)
-        for i in T.unroll(n):
-            for j in T.unroll(n):
-                m[i, j] = m[i, j] + eps
-        normalise_cols(m, s)
-        for _ in T.serial(repeat - 1):
-            normalise_rows(m, s, True)
-            normalise_cols(m, s)
+    load, store, load_tile, store_tile = token_blocks(n, eps, recip)[:4]
+    sinkhorn_in_registers = sinkhorn_block(n, repeat, eps, recip)
 
     if layout == "thread":
         @T.prim_func

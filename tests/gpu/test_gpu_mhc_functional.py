@@ -1,5 +1,5 @@
 """TileKernels' `modeling.mhc.mhc_pre` / `mhc_head` compositions on the GPU: tkjit's compat functions against
-TileKernels' (its inference mode runs its fused big_fuse kernel, tkjit the unfused ops) and against float64,
+TileKernels' (in inference mode both run their fused big_fuse kernels) and against float64,
 forward and gradients."""
 
 import pytest

@@ -1,10 +1,12 @@
 """TileKernels' `modeling.mhc`: the mHC layer functions, composed of `modeling.mhc.ops` as TileKernels composes
 them: `expand_from_embedding` (`ops.expand_to_mhc`), `mhc_pre` (pre_norm_fn, pre_split_mixes,
-sinkhorn_normalize, pre_apply_mix) and `mhc_head` (pre_norm_fn, head_compute_mix, pre_apply_mix).
+sinkhorn_normalize, pre_apply_mix; mhc_pre_big_fuse without gradients) and `mhc_head` (pre_norm_fn,
+head_compute_mix, pre_apply_mix).
 
-With gradients disabled TileKernels' `mhc_pre` calls its fused `mhc_pre_big_fuse` instead, which it holds
-bit-identical to the unfused ops; tkjit has no fused kernel yet and runs the unfused ops in both modes. The
-fused call takes no norm weight, so in that mode `norm_weight` is ignored, here as in TileKernels."""
+With gradients disabled `mhc_pre` calls the fused `ops.mhc_pre_big_fuse` instead, as TileKernels' does, with
+its arguments: the fused call takes no norm weight and reads mhc_mult off the residual, so in that mode
+`norm_weight` and `mhc_mult` are ignored, here as in TileKernels. (Its outputs equal the unfused ops' up to
+the Sinkhorn kernels' settings: within rtol 1e-5.)"""
 
 from __future__ import annotations
 
@@ -65,8 +67,11 @@ def mhc_pre(
     """One sublayer's mHC pre-processing: (layer_input (..., hidden), (post_mix (..., mhc_mult, 1), comb_mix
     (..., mhc_mult, mhc_mult))) for `mhc_post`. fn (mhc_mult * (mhc_mult + 2), mhc_mult * hidden), scale (3,),
     base (mhc_mult * (mhc_mult + 2),); comb_mix Sinkhorn-normalised (sinkhorn_repeat, sinkhorn_eps)."""
-    if not torch.is_grad_enabled():
-        norm_weight = None  # TileKernels' fused inference path takes none (see the module docstring)
+    if not torch.is_grad_enabled():  # TileKernels' fused inference path (see the module docstring)
+        post_mix, comb_mix, layer_input = ops.mhc_pre_big_fuse(
+            residual, fn, scale, base, rms_eps=norm_eps, mhc_pre_eps=pre_eps, mhc_sinkhorn_eps=sinkhorn_eps,
+            mhc_post_mult_value=post_mult_value, sinkhorn_repeat=sinkhorn_repeat, n_splits=n_splits)
+        return layer_input, (post_mix, comb_mix)
     mixes = ops.mhc_pre_norm_fn(residual, fn, norm_weight, norm_eps, n_splits=n_splits)
     pre_mix, post_mix, comb_mix = ops.mhc_pre_split_mixes(mixes, scale, base, mhc_mult, post_mult_value, pre_eps)
     comb_mix = ops.sinkhorn_normalize(comb_mix, repeat=sinkhorn_repeat, eps=sinkhorn_eps)

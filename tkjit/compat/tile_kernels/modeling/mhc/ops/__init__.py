@@ -3,8 +3,8 @@ sinkhorn_bwd kernels), `expand_to_mhc` (expand_to_mhc / expand_to_mhc_bwd), `mhc
 (pre_apply_mix / pre_apply_mix_bwd[_acc]), `mhc_post`, `mhc_post_fwd`, `mhc_post_bwd` (its mhc_post_fwd /
 mhc_post_bwd kernels), `mhc_head_compute_mix` (mhc_head_compute_mix / mhc_head_compute_mix_bwd),
 `mhc_pre_split_mixes` (mhc_pre_split_mixes / mhc_pre_split_mixes_bwd), `mhc_pre_norm_fn` (mhc_pre_norm_fn /
-mhc_pre_norm_fn_bwd) and `mhc_multilayer_recompute` (mhc_multilayer_recompute); the others raise
-NotImplementedError naming them."""
+mhc_pre_norm_fn_bwd), `mhc_multilayer_recompute` (mhc_multilayer_recompute) and `mhc_pre_big_fuse`
+(mhc_pre_norm_fn's GEMM, then mhc_pre_big_fuse)."""
 
 from __future__ import annotations
 
@@ -346,7 +346,35 @@ def mhc_pre_big_fuse(
     sinkhorn_repeat: int,
     n_splits: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    raise missing("modeling.mhc.ops.mhc_pre_big_fuse", FAMILY)
+    """mHC's fused inference pre-processing: residual (..., mhc_mult, hidden) bf16, fn (mhc_mult * (mhc_mult + 2),
+    mhc_mult * hidden) float32, mhc_scale (3,), mhc_base (mhc_mult * (mhc_mult + 2),) float32 -> (post_mix (...,
+    mhc_mult, 1) float32, comb_mix (..., mhc_mult, mhc_mult) float32, layer_input (..., hidden) bf16): what
+    mhc_pre_norm_fn (no norm weight; fn rounded to TF32), mhc_pre_split_mixes, sinkhorn_normalize (repeat
+    sinkhorn_repeat, eps mhc_sinkhorn_eps) and mhc_pre_apply_mix compute, in two kernels (tkjit's mhc_pre_norm_fn
+    GEMM, then mhc_pre_big_fuse), as TileKernels runs its GEMM and its big_fuse kernel. With the same Sinkhorn
+    settings the outputs are bit-identical to tkjit's unfused ops; against TileKernels' they differ as those do
+    (float32 rounding of the GEMM's summation order; Sinkhorn within rtol 1e-5). n_splits is accepted and, as in
+    TileKernels' op, ignored. Inference only, as TileKernels' (no backward): its outputs do not require grad."""
+    fn_name = "modeling.mhc.ops.mhc_pre_big_fuse"
+    floats = {k: as_float(fn_name, k, v) for k, v in (("rms_eps", rms_eps), ("mhc_pre_eps", mhc_pre_eps),
+                                                      ("mhc_sinkhorn_eps", mhc_sinkhorn_eps),
+                                                      ("mhc_post_mult_value", mhc_post_mult_value))}
+    repeat = as_int(fn_name, "sinkhorn_repeat", sinkhorn_repeat)
+    n_splits = as_int(fn_name, "n_splits", n_splits)
+    if n_splits < 1:
+        raise TensorError(f"tile_kernels.{fn_name}: n_splits must be >= 1, got {n_splits}")
+    m, h = ops.check_pre_big_fuse(f"tile_kernels.{fn_name}", residual, fn, mhc_scale, mhc_base)
+    tokens = {"num_tokens": max(1, residual.numel() // max(1, m * h))}
+    require_kernel(fn_name, FAMILY, "mhc_pre_norm_fn",
+                   {"mhc_mult3": 2 * m + m * m, "mhc_hidden": m * h, "norm_eps": floats["rms_eps"]},
+                   {"mhc_mult3": "mhc_mult3 (fn.shape[0])", "mhc_hidden": "mhc_hidden (fn.shape[1])",
+                    "norm_eps": "rms_eps"}, tokens)
+    require_kernel(fn_name, FAMILY, "mhc_pre_big_fuse", {"mhc_mult": m, "hidden": h, **floats,
+                                                         "sinkhorn_repeat": repeat},
+                   {"mhc_mult": "mhc_mult (residual.shape[-2])", "hidden": "hidden (residual.shape[-1])",
+                    **{k: k for k in floats}, "sinkhorn_repeat": "sinkhorn_repeat"}, tokens)
+    return ops.mhc_pre_big_fuse(residual, fn, mhc_scale, mhc_base, floats["rms_eps"], floats["mhc_pre_eps"],
+                                floats["mhc_sinkhorn_eps"], floats["mhc_post_mult_value"], repeat)
 
 
 def mhc_pre_split_mixes(
