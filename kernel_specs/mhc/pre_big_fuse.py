@@ -38,7 +38,7 @@ relative L2 at 8 x 4096 elements). CUDA only.
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance, ieee_plain_threads
+from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance, cuda_only, ieee_plain_threads
 from tkjit_kernels.mhc import _common
 from tkjit_kernels.mhc._mixes import MHC, RUNTIME, forward_blocks, reference_forward, split_segments, vec_of
 from tkjit_kernels.mhc._streams import ELEM, geometry, mix_chunk, random_streams
@@ -64,12 +64,6 @@ PARAMS = (
 
 def width(s):
     return 2 * s["mhc_mult"] + s["mhc_mult"] ** 2
-
-
-def arch_constraint(arch, c, shape):
-    if arch == "cpu":
-        return "bfloat16 rows, shared memory and the thread index: TileLang's C target has none (CUDA only)"
-    return None
 
 
 def default(shape):
@@ -211,7 +205,8 @@ SPEC = register(
         space=dict(SPACE),
         default=default,
         constraint=constraint,
-        arch_constraint=arch_constraint,
+        arch_constraint=cuda_only("reads bfloat16 rows into shared memory by thread index, which TileLang's C "
+                                  "target does not lower"),
         pass_configs=ieee_plain_threads,
         exact={"recip": False},
         tolerance=Tolerance(rtol=1e-4),
