@@ -75,6 +75,21 @@ def plain(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and not x.is_meta and not torch.compiler.is_compiling()
 
 
+# The Functions below take tensors with any leading dims and flatten them to the kernels' (num_tokens, ...)
+# rows inside forward (and their gradients back inside backward), where autograd records nothing: a reshape
+# around `apply` would be an autograd node of its own, and each node the backward pass walks costs host time
+# comparable to a small kernel's.
+
+def rows(t: torch.Tensor, trailing: int) -> torch.Tensor:
+    """t (..., *its last `trailing` dims) as (-1, *those dims): a view where t's layout allows."""
+    return t.reshape(-1, *t.shape[t.dim() - trailing:])
+
+
+def shaped(grad: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """A kernel's (contiguous) gradient back in its input's shape."""
+    return grad if grad is None or grad.shape == shape else grad.view(shape)
+
+
 def sinkhorn(
     x: torch.Tensor, repeat: int = 10, eps: float = 1e-6, *, fwd_config=None, bwd_config=None
 ) -> torch.Tensor:
@@ -118,19 +133,21 @@ def _once(op: str, grad, *deps):
 
 
 class ExpandToMhcFunction(torch.autograd.Function):
-    """Eager expand_to_mhc / expand_to_mhc_bwd: x (num_tokens, hidden) bf16 -> (num_tokens, mhc_mult, hidden),
-    into `out` when given (as TileKernels' ExpandToMHCFn)."""
+    """Eager expand_to_mhc / expand_to_mhc_bwd: x (..., hidden) bf16 -> (..., mhc_mult, hidden), into `out`
+    when given (as TileKernels' ExpandToMHCFn)."""
 
     @staticmethod
     def forward(ctx, x, mhc_mult, out, config, bwd_config):
-        ctx.bwd_config = bwd_config
-        return torch_ops.expand_to_mhc_impl(x, mhc_mult, config, out=out)
+        ctx.bwd_config, ctx.shape = bwd_config, x.shape
+        h = x.shape[-1]
+        o = out.view(-1, mhc_mult, h) if out is not None else None
+        return torch_ops.expand_to_mhc_impl(x.view(-1, h), mhc_mult, config, out=o).view(*x.shape[:-1], mhc_mult, h)
 
     @staticmethod
     def backward(ctx, grad):
         with torch.no_grad():
-            grad_x = torch_ops.expand_to_mhc_bwd_impl(grad.to(torch.bfloat16).contiguous(), ctx.bwd_config)
-        return _once("expand_to_mhc", grad_x, grad), None, None, None, None
+            grad_x = torch_ops.expand_to_mhc_bwd_impl(rows(grad.to(torch.bfloat16), 2).contiguous(), ctx.bwd_config)
+        return _once("expand_to_mhc", shaped(grad_x, ctx.shape), grad), None, None, None, None
 
 
 class PreApplyMixFunction(torch.autograd.Function):
@@ -142,14 +159,17 @@ class PreApplyMixFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mix, out, config, bwd_config):
-        ctx.save_for_backward(x, mix)
-        ctx.bwd_config = bwd_config
-        return torch_ops.pre_apply_mix_impl(x, mix, config, out=out)
+        m, h = x.shape[-2:]
+        xf, mf = x.view(-1, m, h), mix.reshape(-1, m)
+        ctx.save_for_backward(xf, mf)
+        ctx.bwd_config, ctx.shapes = bwd_config, (x.shape, mix.shape)
+        y = torch_ops.pre_apply_mix_impl(xf, mf, config, out=out.view(-1, h) if out is not None else None)
+        return y.view(*x.shape[:-2], h)
 
     @staticmethod
     def backward(ctx, grad):
         x, mix = ctx.saved_tensors
-        upstream, grad = grad, grad.to(torch.bfloat16).contiguous()
+        upstream, grad = grad, rows(grad.to(torch.bfloat16), 1).contiguous()
         acc = residual_grad(x)
         with torch.no_grad():
             if acc is not None:
@@ -158,8 +178,9 @@ class PreApplyMixFunction(torch.autograd.Function):
             else:
                 x_grad, mix_grad = torch_ops.pre_apply_mix_bwd_impl(grad, x, mix, ctx.bwd_config)
         deps = (upstream, x, mix)
-        return (_once("mhc_pre_apply_mix", x_grad, *deps), _once("mhc_pre_apply_mix", mix_grad, *deps),
-                None, None, None)
+        x_shape, mix_shape = ctx.shapes
+        return (_once("mhc_pre_apply_mix", shaped(x_grad, x_shape), *deps),
+                _once("mhc_pre_apply_mix", shaped(mix_grad, mix_shape), *deps), None, None, None)
 
 
 def residual_grad(x: torch.Tensor) -> torch.Tensor | None:

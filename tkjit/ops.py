@@ -431,12 +431,11 @@ def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None 
             torch_ops.expand_to_mhc_impl(flat, mhc_mult, cfg, out=o)
             return out
         return torch_ops.expand_to_mhc_impl(flat, mhc_mult, cfg).view(*hidden.shape[:-1], mhc_mult, h)
-    if plain(flat):
-        y = ExpandToMhcFunction.apply(flat, mhc_mult, o, cfg, bcfg)
-    else:
-        y = torch.ops.tkjit.expand_to_mhc.default(flat, mhc_mult, cfg, bcfg)
-        if o is not None:
-            y = o.copy_(y)
+    if plain(hidden):  # (the Function flattens the leading dims itself: no view nodes around it)
+        return ExpandToMhcFunction.apply(hidden, mhc_mult, out, cfg, bcfg)
+    y = torch.ops.tkjit.expand_to_mhc.default(flat, mhc_mult, cfg, bcfg)
+    if o is not None:
+        y = o.copy_(y)
     return y.view(*hidden.shape[:-1], mhc_mult, h)
 
 
@@ -472,12 +471,11 @@ def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | No
             torch_ops.pre_apply_mix_impl(xf, mf, cfg, out=o)
             return out
         return torch_ops.pre_apply_mix_impl(xf, mf, cfg).view(*x.shape[:-2], h)
-    if plain(xf) and plain(mf):
-        y = PreApplyMixFunction.apply(xf, mf, o, cfg, bcfg)
-    else:
-        y = torch.ops.tkjit.pre_apply_mix.default(xf, mf, cfg, bcfg)
-        if o is not None:
-            y = o.copy_(y)
+    if plain(x) and plain(mix):  # (the Function flattens the leading dims itself: no view nodes around it)
+        return PreApplyMixFunction.apply(x, mix, out, cfg, bcfg)
+    y = torch.ops.tkjit.pre_apply_mix.default(xf, mf, cfg, bcfg)
+    if o is not None:
+        y = o.copy_(y)
     return y.view(*x.shape[:-2], h)
 
 
