@@ -38,6 +38,13 @@ def register_scale_layouts(name: str, doc: str, *, out: TensorArg, groups: Any, 
     return row, col
 
 
+def layout_builders(build: Callable) -> tuple[Callable, Callable]:
+    """(row-major, column-major) spec builders build(shape, c) of a cast's build(shape, c, col_major), for a pair
+    registered otherwise (cast_back's scale inputs, per_block_cast_lossless's per-block scales): they keep build's
+    module, as register_scale_layouts's do."""
+    return _layout_builder(build, col_major=False), _layout_builder(build, col_major=True)
+
+
 def _layout_builder(build: Callable, *, col_major: bool) -> Callable:
     """build(shape, c, col_major) for one layout: a spec's build(shape, c) that keeps build's module (see above)."""
 
