@@ -14,43 +14,23 @@ import tkjit.ops
 import tkjit.torch_ops
 from tkjit.compat import tile_kernels as tk
 from tkjit.errors import ConfigError, ShapeError, TensorError
-from tkjit.registry import get_spec
 from tkjit.spec import validate
 from tkjit_kernels.quant.cast_back import E2M1, unpack_ue8m0
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from reference_kernels import serve_references  # noqa: E402
+from quant_checks import float_equal as _equal  # noqa: E402
+from quant_checks import layout_fixtures
 
 NAME, COLMAJOR = "cast_back", "cast_back_colmajor"
 CUDA_ONLY = (NAME, COLMAJOR, "per_token_cast", "per_token_cast_colmajor")
 
+spec, colmajor, reference_kernels = layout_fixtures(NAME, COLMAJOR, CUDA_ONLY)
 
-@pytest.fixture(scope="module")
-def spec():
-    return get_spec(NAME)
-
-
-@pytest.fixture(scope="module")
-def colmajor():
-    return get_spec(COLMAJOR)
-
-
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    serve_references(monkeypatch, CUDA_ONLY)
 
 
 def _shape(n=16, **kw):
     bt = kw.get("block_tokens", 1)
     return {"num_tokens": n, "num_sf_rows": -(-n // bt), "hidden": 256, **kw}
-
-
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-
-def _equal(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 # -- the spec -----------------------------------------------------------------------------------------

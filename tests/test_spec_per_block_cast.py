@@ -16,6 +16,7 @@ from tkjit.registry import get_spec
 from tkjit.spec import CeilDiv, validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from quant_checks import word_same as _same
 from reference_kernels import serve_references  # noqa: E402
 
 NAME, COLMAJOR, WITH_SF = "per_block_cast", "per_block_cast_colmajor", "per_block_cast_with_sf"
@@ -24,14 +25,6 @@ NAMES = (NAME, COLMAJOR, WITH_SF)
 
 def _shape(**kw):
     return {"num_tokens": 16, "hidden": 256, "block_m": 32, "block_k": 32, **kw}
-
-
-def _bits(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
-
-
-def _same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -16,6 +16,7 @@ from tkjit.registry import get_spec
 from tkjit.spec import validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from quant_checks import word_same as _same
 from reference_kernels import serve_references  # noqa: E402
 
 NAME, COLMAJOR = "per_block_cast_lossless", "per_block_cast_lossless_colmajor"
@@ -26,14 +27,6 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 def _shape(**kw):
     return {"num_tokens": 70, "hidden": 256, "in_block_m": 1, "in_block_k": 32, "out_block_m": 32,
             "out_block_k": 128, **kw}
-
-
-def _bits(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
-
-
-def _same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
 
 
 def _decode(x):

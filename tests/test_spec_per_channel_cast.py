@@ -19,6 +19,7 @@ from tkjit.registry import get_spec
 from tkjit.spec import validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from quant_checks import byte_same as _same  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
 CAST = "per_channel_cast"
@@ -29,10 +30,6 @@ TK_HIDDEN = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # TileKernels' test hidde
 
 def _shape(**kw):
     return {"token_blocks": 3, "hidden": 256, **kw}
-
-
-def _same(a, b):
-    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,25 +21,14 @@ from tkjit.spec import Align, validate
 from tkjit_kernels.quant import _e2m1
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from quant_checks import layout_fixtures  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
 NAME, COLMAJOR = "per_token_cast_e2m1", "per_token_cast_e2m1_colmajor"
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
+spec, colmajor, reference_kernels = layout_fixtures(NAME, COLMAJOR, (NAME, COLMAJOR, "cast_back", "cast_back_colmajor"))
 
-@pytest.fixture(scope="module")
-def spec():
-    return get_spec(NAME)
-
-
-@pytest.fixture(scope="module")
-def colmajor():
-    return get_spec(COLMAJOR)
-
-
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    serve_references(monkeypatch, (NAME, COLMAJOR, "cast_back", "cast_back_colmajor"))
 
 
 def _shape(**kw):

@@ -19,25 +19,13 @@ from tkjit.spec import Align, validate
 from tkjit_kernels.quant import _e5m6
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from reference_kernels import serve_references  # noqa: E402
+from quant_checks import layout_fixtures  # noqa: E402
 
 NAME, COLMAJOR = "per_token_cast_e5m6", "per_token_cast_e5m6_colmajor"
 HIDDENS = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # TileKernels' test hidden sizes
 
+spec, colmajor, reference_kernels = layout_fixtures(NAME, COLMAJOR, (NAME, COLMAJOR))
 
-@pytest.fixture(scope="module")
-def spec():
-    return get_spec(NAME)
-
-
-@pytest.fixture(scope="module")
-def colmajor():
-    return get_spec(COLMAJOR)
-
-
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    serve_references(monkeypatch, (NAME, COLMAJOR))
 
 
 def _shape(**kw):

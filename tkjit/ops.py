@@ -293,19 +293,24 @@ def cast_back(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[int, int] = (
     The layout is read off sf's strides, as TileKernels does."""
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"cast_back: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    return _cast_back("cast_back", x, sf, block_size, out_dtype, config)
+
+
+def _cast_back(name: str, x: torch.Tensor, sf: torch.Tensor, block_size, out_dtype: torch.dtype,
+               config) -> torch.Tensor:
+    """cast_back(_e5m6) with block_size checked: the row-major op, or the `_colmajor` one for column-major sf
+    (sf.stride(0) == 1), whose kernel reads the storage view (rows: sf's columns)."""
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
-        raise ShapeError(f"cast_back: block_size must be (block_tokens, block_channels), got {block_size!r}")
-    torch_ops._need(sf, (2,), "cast_back")
+        raise ShapeError(f"{name}: block_size must be (block_tokens, block_channels), got {block_size!r}")
+    torch_ops._need(sf, (2,), name)
     bt, bc = block_size
     od = "bfloat16" if out_dtype == torch.bfloat16 else "float32"
     cfg = encode_config(config)
-    if sf.stride(0) == 1:  # column-major: the kernel reads the storage view, whose rows are sf's columns
-        if _eager(x, sf):
-            return torch_ops.cast_back_colmajor_impl(x, sf.T, bt, bc, od, cfg)
-        return torch.ops.tkjit.cast_back_colmajor.default(x, sf.T, bt, bc, od, cfg)
+    if sf.stride(0) == 1:
+        name, sf = f"{name}_colmajor", sf.T
     if _eager(x, sf):
-        return torch_ops.cast_back_impl(x, sf, bt, bc, od, cfg)
-    return torch.ops.tkjit.cast_back.default(x, sf, bt, bc, od, cfg)
+        return getattr(torch_ops, f"{name}_impl")(x, sf, bt, bc, od, cfg)
+    return getattr(torch.ops.tkjit, name).default(x, sf, bt, bc, od, cfg)
 
 
 # -- per_block_cast ----------------------------------------------------------------------------------
@@ -605,19 +610,7 @@ def cast_back_e5m6(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[int, int
     words = _e5m6_words(x)
     if block_size is None:
         block_size = (1, words.shape[1] // 3 * 8)
-    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
-        raise ShapeError(f"cast_back_e5m6: block_size must be (block_tokens, block_channels), got {block_size!r}")
-    torch_ops._need(sf, (2,), "cast_back_e5m6")
-    bt, bc = block_size
-    od = "bfloat16" if out_dtype == torch.bfloat16 else "float32"
-    cfg = encode_config(config)
-    if sf.stride(0) == 1:  # column-major: the kernel reads the storage view, whose rows are sf's columns
-        if _eager(words, sf):
-            return torch_ops.cast_back_e5m6_colmajor_impl(words, sf.T, bt, bc, od, cfg)
-        return torch.ops.tkjit.cast_back_e5m6_colmajor.default(words, sf.T, bt, bc, od, cfg)
-    if _eager(words, sf):
-        return torch_ops.cast_back_e5m6_impl(words, sf, bt, bc, od, cfg)
-    return torch.ops.tkjit.cast_back_e5m6.default(words, sf, bt, bc, od, cfg)
+    return _cast_back("cast_back_e5m6", words, sf, block_size, out_dtype, config)
 
 
 # -- engram_gate ---------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ the (num_tokens, num_groups) view of it.
 
 import ast
 import functools
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -106,6 +107,43 @@ def _fake_check(name: str, shape: dict, *tensors: torch.Tensor) -> None:
                 raise TensorError(
                     f"{name}: input {arg.name} has shape {tuple(t.shape)}, axis {axis} must be {size}"
                 )
+
+
+def _op_pair(first_impl, second_impl, schema: str, fake) -> tuple:
+    """The ops tkjit::<name> of one op's two forms (a cast's row- and column-major scales, per_channel_cast's
+    plain and transposed values), from their implementations `<name>_impl`: one schema, one fake.
+
+    fake(name, second, *args): the fake outputs of form `name` (second: the second form), args the call's
+    arguments in the schema's order, defaults filled in and `config` left out."""
+    ops = []
+    for impl, second in ((first_impl, False), (second_impl, True)):
+        name = impl.__name__.removesuffix("_impl")
+        op = torch.library.custom_op(f"tkjit::{name}", mutates_args=(), schema=schema)(impl)
+        op.register_fake(_fake_of(impl, name, second, fake))
+        ops.append(op)
+    return tuple(ops)
+
+
+def _fake_of(impl, name: str, second: bool, fake):
+    sig = inspect.signature(impl)
+
+    def fake_impl(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return fake(name, second, *(v for k, v in bound.arguments.items() if k != "config"))
+
+    return fake_impl
+
+
+def _with_scales(values_and_grid):
+    """A cast's fake for _op_pair from values_and_grid(name, *args) -> (fake values, scale rows, scale columns):
+    float32 scales (rows, cols), or for the column-major form their TMA-aligned storage (cols, align(rows, 4))."""
+
+    def fake(name, col_major, *args):
+        q, rows, cols = values_and_grid(name, *args)
+        return q, q.new_empty((cols, tma_aligned(rows)) if col_major else (rows, cols), dtype=torch.float32)
+
+    return fake
 
 
 # -- sinkhorn ----------------------------------------------------------------------------------------
@@ -220,23 +258,12 @@ def _fake_cast(name, x, group, round_scale):
     _fake_check(name, {"hidden": hidden, "group": group, "in_dtype": dtype_name(x.dtype),
                        "round_scale": round_scale}, x)
     # ceil(hidden / group) scales per token: the last group is partial when group does not divide hidden
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), -(-hidden // group)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.shape[0], -(-hidden // group)
 
 
 def per_token_cast_impl(x, group=128, round_scale=False, config=None):
     """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales (num_tokens, ceil(hidden / group)))."""
     return _cast("per_token_cast", x, group, round_scale, config)
-
-
-per_token_cast = torch.library.custom_op(
-    "tkjit::per_token_cast", mutates_args=(), schema=_CAST_SCHEMA
-)(per_token_cast_impl)
-
-
-@per_token_cast.register_fake
-def _(x, group=128, round_scale=False, config=None):
-    q, groups = _fake_cast("per_token_cast", x, group, round_scale)
-    return q, x.new_empty((x.shape[0], groups), dtype=torch.float32)
 
 
 def per_token_cast_colmajor_impl(x, group=128, round_scale=False, config=None):
@@ -245,15 +272,9 @@ def per_token_cast_colmajor_impl(x, group=128, round_scale=False, config=None):
     return _cast("per_token_cast_colmajor", x, group, round_scale, config)
 
 
-per_token_cast_colmajor = torch.library.custom_op(
-    "tkjit::per_token_cast_colmajor", mutates_args=(), schema=_CAST_SCHEMA
-)(per_token_cast_colmajor_impl)
-
-
-@per_token_cast_colmajor.register_fake
-def _(x, group=128, round_scale=False, config=None):
-    q, groups = _fake_cast("per_token_cast_colmajor", x, group, round_scale)
-    return q, x.new_empty((groups, tma_aligned(x.shape[0])), dtype=torch.float32)
+per_token_cast, per_token_cast_colmajor = _op_pair(
+    per_token_cast_impl, per_token_cast_colmajor_impl, _CAST_SCHEMA, _with_scales(_fake_cast)
+)
 
 
 # -- transpose -------------------------------------------------------------------------------------
@@ -906,10 +927,10 @@ def _cast_back(name, x, sf, block_tokens, block_channels, out_dtype, config, sta
     return get(name, shape, arch=arch_of(x), config=_config(config))(x, sf)
 
 
-def _fake_cast_back(name, x, sf, block_tokens, block_channels, out_dtype, static_of=None):
+def _fake_cast_back(name, col_major, x, sf, block_tokens, block_channels, out_dtype, static_of=None):
     static = (static_of or _cast_back_static)(name, x, sf, block_tokens, block_channels, out_dtype)
     _fake_check(name, static, x, sf)
-    rows = sf.shape[1 if name.endswith("_colmajor") else 0]
+    rows = sf.shape[1 if col_major else 0]
     torch._check(rows == (x.shape[0] + block_tokens - 1) // block_tokens,
                  lambda: f"{name}: sf's token rows must be ceil(num_tokens / block_tokens)")
     return x.new_empty((x.shape[0], static["hidden"]), dtype=torch_dtype(out_dtype))
@@ -922,14 +943,6 @@ def cast_back_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat1
     return _cast_back("cast_back", x, sf, block_tokens, block_channels, out_dtype, config)
 
 
-cast_back = torch.library.custom_op("tkjit::cast_back", mutates_args=(), schema=_CAST_BACK_SCHEMA)(cast_back_impl)
-
-
-@cast_back.register_fake
-def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
-    return _fake_cast_back("cast_back", x, sf, block_tokens, block_channels, out_dtype)
-
-
 def cast_back_colmajor_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
     """cast_back with column-major scales given as their storage view: sf is s.T for the column-major
     (num_sf_rows, ...) scales s, i.e. (num_sf_cols, num_sf_rows) float32, or (ceil(num_sf_cols / 4), num_sf_rows)
@@ -937,14 +950,9 @@ def cast_back_colmajor_impl(x, sf, block_tokens=1, block_channels=128, out_dtype
     return _cast_back("cast_back_colmajor", x, sf, block_tokens, block_channels, out_dtype, config)
 
 
-cast_back_colmajor = torch.library.custom_op(
-    "tkjit::cast_back_colmajor", mutates_args=(), schema=_CAST_BACK_SCHEMA
-)(cast_back_colmajor_impl)
-
-
-@cast_back_colmajor.register_fake
-def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
-    return _fake_cast_back("cast_back_colmajor", x, sf, block_tokens, block_channels, out_dtype)
+cast_back, cast_back_colmajor = _op_pair(
+    cast_back_impl, cast_back_colmajor_impl, _CAST_BACK_SCHEMA, _fake_cast_back
+)
 
 
 # -- per_block_cast ----------------------------------------------------------------------------------
@@ -980,32 +988,15 @@ def per_block_cast_impl(x, block_m=128, block_k=128, round_scale=False, config=N
     return _block_cast("per_block_cast", x, block_m, block_k, round_scale, config)
 
 
-per_block_cast = torch.library.custom_op(
-    "tkjit::per_block_cast", mutates_args=(), schema=_BLOCK_CAST_SCHEMA
-)(per_block_cast_impl)
-
-
-@per_block_cast.register_fake
-def _(x, block_m=128, block_k=128, round_scale=False, config=None):
-    q, rows, cols = _fake_block_cast("per_block_cast", x, block_m, block_k, round_scale)
-    return q, x.new_empty((rows, cols), dtype=torch.float32)
-
-
 def per_block_cast_colmajor_impl(x, block_m=128, block_k=128, round_scale=False, config=None):
     """per_block_cast with the scales' TMA-aligned column-major storage (ceil(hidden / block_k),
     align(ceil(num_tokens / block_m), 4))."""
     return _block_cast("per_block_cast_colmajor", x, block_m, block_k, round_scale, config)
 
 
-per_block_cast_colmajor = torch.library.custom_op(
-    "tkjit::per_block_cast_colmajor", mutates_args=(), schema=_BLOCK_CAST_SCHEMA
-)(per_block_cast_colmajor_impl)
-
-
-@per_block_cast_colmajor.register_fake
-def _(x, block_m=128, block_k=128, round_scale=False, config=None):
-    q, rows, cols = _fake_block_cast("per_block_cast_colmajor", x, block_m, block_k, round_scale)
-    return q, x.new_empty((cols, tma_aligned(rows)), dtype=torch.float32)
+per_block_cast, per_block_cast_colmajor = _op_pair(
+    per_block_cast_impl, per_block_cast_colmajor_impl, _BLOCK_CAST_SCHEMA, _with_scales(_fake_block_cast)
+)
 
 
 def per_block_cast_with_sf_impl(x, sf, block_m=128, block_k=128, config=None):
@@ -1074,7 +1065,7 @@ def _per_channel(name, x, num_per_tokens, round_scale, config, transposed):
     return out, scales
 
 
-def _fake_per_channel(name, x, num_per_tokens, round_scale, transposed):
+def _fake_per_channel(name, transposed, x, num_per_tokens, round_scale):
     static = _per_channel_static(name, x, num_per_tokens, round_scale)
     _fake_check(name, static)
     n, h = x.shape
@@ -1089,30 +1080,15 @@ def per_channel_cast_impl(x, num_per_tokens=128, round_scale=False, config=None)
     return _per_channel("per_channel_cast", x, num_per_tokens, round_scale, config, False)
 
 
-per_channel_cast = torch.library.custom_op(
-    "tkjit::per_channel_cast", mutates_args=(), schema=_PER_CHANNEL_SCHEMA
-)(per_channel_cast_impl)
-
-
-@per_channel_cast.register_fake
-def _(x, num_per_tokens=128, round_scale=False, config=None):
-    return _fake_per_channel("per_channel_cast", x, num_per_tokens, round_scale, False)
-
-
 def per_channel_cast_and_transpose_impl(x, num_per_tokens=128, round_scale=False, config=None):
     """per_channel_cast with the values transposed: (fp8 e4m3 (hidden, num_tokens), float32 scales
     (num_tokens / num_per_tokens, hidden))."""
     return _per_channel("per_channel_cast_and_transpose", x, num_per_tokens, round_scale, config, True)
 
 
-per_channel_cast_and_transpose = torch.library.custom_op(
-    "tkjit::per_channel_cast_and_transpose", mutates_args=(), schema=_PER_CHANNEL_SCHEMA
-)(per_channel_cast_and_transpose_impl)
-
-
-@per_channel_cast_and_transpose.register_fake
-def _(x, num_per_tokens=128, round_scale=False, config=None):
-    return _fake_per_channel("per_channel_cast_and_transpose", x, num_per_tokens, round_scale, True)
+per_channel_cast, per_channel_cast_and_transpose = _op_pair(
+    per_channel_cast_impl, per_channel_cast_and_transpose_impl, _PER_CHANNEL_SCHEMA, _fake_per_channel
+)
 
 
 # -- expand_to_mhc / pre_apply_mix (mHC residual streams) --------------------------------------------
@@ -1399,10 +1375,10 @@ def _e5m6_cast(name, x, round_scale, config):
 
 
 def _fake_e5m6_cast(name, x, round_scale):
-    """The fake words (num_tokens, hidden * 3 / 8) int32."""
+    """The fake words (num_tokens, hidden * 3 / 8) int32, the scale rows (num_tokens) and columns (1)."""
     static = _e5m6_static(name, x, round_scale)
     _fake_check(name, static, x)
-    return x.new_empty((x.shape[0], static["hidden"] * 3 // 8), dtype=torch.int32)
+    return x.new_empty((x.shape[0], static["hidden"] * 3 // 8), dtype=torch.int32), x.shape[0], 1
 
 
 def per_token_cast_e5m6_impl(x, round_scale=False, config=None):
@@ -1411,30 +1387,14 @@ def per_token_cast_e5m6_impl(x, round_scale=False, config=None):
     return _e5m6_cast("per_token_cast_e5m6", x, round_scale, config)
 
 
-per_token_cast_e5m6 = torch.library.custom_op(
-    "tkjit::per_token_cast_e5m6", mutates_args=(), schema=_E5M6_CAST_SCHEMA
-)(per_token_cast_e5m6_impl)
-
-
-@per_token_cast_e5m6.register_fake
-def _(x, round_scale=False, config=None):
-    return _fake_e5m6_cast("per_token_cast_e5m6", x, round_scale), x.new_empty((x.shape[0], 1), dtype=torch.float32)
-
-
 def per_token_cast_e5m6_colmajor_impl(x, round_scale=False, config=None):
     """per_token_cast_e5m6 with the scales' TMA-aligned column-major storage (1, align(num_tokens, 4))."""
     return _e5m6_cast("per_token_cast_e5m6_colmajor", x, round_scale, config)
 
 
-per_token_cast_e5m6_colmajor = torch.library.custom_op(
-    "tkjit::per_token_cast_e5m6_colmajor", mutates_args=(), schema=_E5M6_CAST_SCHEMA
-)(per_token_cast_e5m6_colmajor_impl)
-
-
-@per_token_cast_e5m6_colmajor.register_fake
-def _(x, round_scale=False, config=None):
-    words = _fake_e5m6_cast("per_token_cast_e5m6_colmajor", x, round_scale)
-    return words, x.new_empty((1, tma_aligned(x.shape[0])), dtype=torch.float32)
+per_token_cast_e5m6, per_token_cast_e5m6_colmajor = _op_pair(
+    per_token_cast_e5m6_impl, per_token_cast_e5m6_colmajor_impl, _E5M6_CAST_SCHEMA, _with_scales(_fake_e5m6_cast)
+)
 
 
 def _cast_back_e5m6_static(name, x, sf, block_tokens, block_channels, out_dtype) -> dict:
@@ -1458,31 +1418,16 @@ def cast_back_e5m6_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bf
                       _cast_back_e5m6_static)
 
 
-cast_back_e5m6 = torch.library.custom_op(
-    "tkjit::cast_back_e5m6", mutates_args=(), schema=_CAST_BACK_SCHEMA
-)(cast_back_e5m6_impl)
-
-
-@cast_back_e5m6.register_fake
-def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
-    return _fake_cast_back("cast_back_e5m6", x, sf, block_tokens, block_channels, out_dtype, _cast_back_e5m6_static)
-
-
 def cast_back_e5m6_colmajor_impl(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
     """cast_back_e5m6 with column-major scales given as their storage view (cast_back_colmajor's forms)."""
     return _cast_back("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype, config,
                       _cast_back_e5m6_static)
 
 
-cast_back_e5m6_colmajor = torch.library.custom_op(
-    "tkjit::cast_back_e5m6_colmajor", mutates_args=(), schema=_CAST_BACK_SCHEMA
-)(cast_back_e5m6_colmajor_impl)
-
-
-@cast_back_e5m6_colmajor.register_fake
-def _(x, sf, block_tokens=1, block_channels=128, out_dtype="bfloat16", config=None):
-    return _fake_cast_back("cast_back_e5m6_colmajor", x, sf, block_tokens, block_channels, out_dtype,
-                           _cast_back_e5m6_static)
+cast_back_e5m6, cast_back_e5m6_colmajor = _op_pair(
+    cast_back_e5m6_impl, cast_back_e5m6_colmajor_impl, _CAST_BACK_SCHEMA,
+    functools.partial(_fake_cast_back, static_of=_cast_back_e5m6_static),
+)
 
 
 # -- engram_gate ---------------------------------------------------------------------------------------
@@ -2000,7 +1945,7 @@ def _swiglu_channel(name, x, num_per_tokens, round_scale, swiglu_clamp_value, co
     return out, scales
 
 
-def _fake_swiglu_channel(name, x, num_per_tokens, round_scale, swiglu_clamp_value, transposed):
+def _fake_swiglu_channel(name, transposed, x, num_per_tokens, round_scale, swiglu_clamp_value):
     static = _swiglu_channel_static(name, x, num_per_tokens, round_scale, swiglu_clamp_value)
     _fake_check(name, static)
     n, h = x.shape[0], static["hidden"]
@@ -2017,17 +1962,6 @@ def swiglu_forward_and_per_channel_cast_and_transpose_impl(x, num_per_tokens=128
                            swiglu_clamp_value, config, True)
 
 
-swiglu_forward_and_per_channel_cast_and_transpose = torch.library.custom_op(
-    "tkjit::swiglu_forward_and_per_channel_cast_and_transpose", mutates_args=(), schema=_SWIGLU_CHANNEL_SCHEMA
-)(swiglu_forward_and_per_channel_cast_and_transpose_impl)
-
-
-@swiglu_forward_and_per_channel_cast_and_transpose.register_fake
-def _(x, num_per_tokens=128, round_scale=False, swiglu_clamp_value=None, config=None):
-    return _fake_swiglu_channel("swiglu_forward_and_per_channel_cast_and_transpose", x, num_per_tokens, round_scale,
-                                swiglu_clamp_value, True)
-
-
 def swiglu_forward_and_per_channel_cast_impl(x, num_per_tokens=128, round_scale=False, swiglu_clamp_value=None,
                                              config=None):
     """The same without the transpose: (fp8 e4m3 (num_tokens, hidden), float32 scales)."""
@@ -2035,15 +1969,10 @@ def swiglu_forward_and_per_channel_cast_impl(x, num_per_tokens=128, round_scale=
                            swiglu_clamp_value, config, False)
 
 
-swiglu_forward_and_per_channel_cast = torch.library.custom_op(
-    "tkjit::swiglu_forward_and_per_channel_cast", mutates_args=(), schema=_SWIGLU_CHANNEL_SCHEMA
-)(swiglu_forward_and_per_channel_cast_impl)
-
-
-@swiglu_forward_and_per_channel_cast.register_fake
-def _(x, num_per_tokens=128, round_scale=False, swiglu_clamp_value=None, config=None):
-    return _fake_swiglu_channel("swiglu_forward_and_per_channel_cast", x, num_per_tokens, round_scale,
-                                swiglu_clamp_value, False)
+swiglu_forward_and_per_channel_cast, swiglu_forward_and_per_channel_cast_and_transpose = _op_pair(
+    swiglu_forward_and_per_channel_cast_impl, swiglu_forward_and_per_channel_cast_and_transpose_impl,
+    _SWIGLU_CHANNEL_SCHEMA, _fake_swiglu_channel,
+)
 
 
 # -- engram_gate_bwd / grad_w_reduce -------------------------------------------------------------------
@@ -2294,12 +2223,12 @@ mhc_pre_norm_fn_bwd.register_autograd(_no_double_backward_of("mhc_pre_norm_fn"),
 # -- per_token_cast_e2m1 ------------------------------------------------------------------------------
 
 def _fake_e2m1_cast(name, x, group, round_scale):
-    """The fake values (num_tokens, hidden / 2) int8 and the number of scale groups, ceil(hidden / group)."""
+    """The fake values (num_tokens, hidden / 2) int8, the scale rows (num_tokens) and groups ceil(hidden / group)."""
     _need(x, (2,), name)
     hidden = int(x.shape[1])
     _fake_check(name, {"hidden": hidden, "group": group, "in_dtype": dtype_name(x.dtype),
                        "round_scale": round_scale}, x)
-    return x.new_empty((x.shape[0], hidden // 2), dtype=torch.int8), -(-hidden // group)
+    return x.new_empty((x.shape[0], hidden // 2), dtype=torch.int8), x.shape[0], -(-hidden // group)
 
 
 def per_token_cast_e2m1_impl(x, group=128, round_scale=False, config=None):
@@ -2308,32 +2237,15 @@ def per_token_cast_e2m1_impl(x, group=128, round_scale=False, config=None):
     return _cast("per_token_cast_e2m1", x, group, round_scale, config)
 
 
-per_token_cast_e2m1 = torch.library.custom_op(
-    "tkjit::per_token_cast_e2m1", mutates_args=(), schema=_CAST_SCHEMA
-)(per_token_cast_e2m1_impl)
-
-
-@per_token_cast_e2m1.register_fake
-def _(x, group=128, round_scale=False, config=None):
-    q, groups = _fake_e2m1_cast("per_token_cast_e2m1", x, group, round_scale)
-    return q, x.new_empty((x.shape[0], groups), dtype=torch.float32)
-
-
 def per_token_cast_e2m1_colmajor_impl(x, group=128, round_scale=False, config=None):
     """per_token_cast_e2m1 with the scales' TMA-aligned column-major storage (ceil(hidden / group),
     align(num_tokens, 4))."""
     return _cast("per_token_cast_e2m1_colmajor", x, group, round_scale, config)
 
 
-per_token_cast_e2m1_colmajor = torch.library.custom_op(
-    "tkjit::per_token_cast_e2m1_colmajor", mutates_args=(), schema=_CAST_SCHEMA
-)(per_token_cast_e2m1_colmajor_impl)
-
-
-@per_token_cast_e2m1_colmajor.register_fake
-def _(x, group=128, round_scale=False, config=None):
-    q, groups = _fake_e2m1_cast("per_token_cast_e2m1_colmajor", x, group, round_scale)
-    return q, x.new_empty((groups, tma_aligned(x.shape[0])), dtype=torch.float32)
+per_token_cast_e2m1, per_token_cast_e2m1_colmajor = _op_pair(
+    per_token_cast_e2m1_impl, per_token_cast_e2m1_colmajor_impl, _CAST_SCHEMA, _with_scales(_fake_e2m1_cast)
+)
 
 
 # -- mhc_multilayer_recompute ------------------------------------------------------------------------
@@ -2451,18 +2363,6 @@ def per_block_cast_lossless_impl(x, sf, in_block_m=1, in_block_k=32, out_block_m
     return _lossless("per_block_cast_lossless", x, sf, in_block_m, in_block_k, out_block_m, out_block_k, config)
 
 
-per_block_cast_lossless = torch.library.custom_op(
-    "tkjit::per_block_cast_lossless", mutates_args=(), schema=_LOSSLESS_SCHEMA
-)(per_block_cast_lossless_impl)
-
-
-@per_block_cast_lossless.register_fake
-def _(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128, config=None):
-    q, rows, cols = _fake_lossless("per_block_cast_lossless", x, sf, in_block_m, in_block_k, out_block_m,
-                                   out_block_k)
-    return q, x.new_empty((rows, cols), dtype=torch.float32)
-
-
 def per_block_cast_lossless_colmajor_impl(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128,
                                           config=None):
     """per_block_cast_lossless with the scales' TMA-aligned column-major storage (ceil(hidden / out_block_k),
@@ -2471,16 +2371,9 @@ def per_block_cast_lossless_colmajor_impl(x, sf, in_block_m=1, in_block_k=32, ou
                      config)
 
 
-per_block_cast_lossless_colmajor = torch.library.custom_op(
-    "tkjit::per_block_cast_lossless_colmajor", mutates_args=(), schema=_LOSSLESS_SCHEMA
-)(per_block_cast_lossless_colmajor_impl)
-
-
-@per_block_cast_lossless_colmajor.register_fake
-def _(x, sf, in_block_m=1, in_block_k=32, out_block_m=128, out_block_k=128, config=None):
-    q, rows, cols = _fake_lossless("per_block_cast_lossless_colmajor", x, sf, in_block_m, in_block_k, out_block_m,
-                                   out_block_k)
-    return q, x.new_empty((cols, tma_aligned(rows)), dtype=torch.float32)
+per_block_cast_lossless, per_block_cast_lossless_colmajor = _op_pair(
+    per_block_cast_lossless_impl, per_block_cast_lossless_colmajor_impl, _LOSSLESS_SCHEMA, _with_scales(_fake_lossless)
+)
 
 
 # -- mhc_pre_big_fuse --------------------------------------------------------------------------------

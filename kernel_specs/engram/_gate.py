@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from tkjit.spec import Runtime, Static, TensorArg, Tolerance, ieee_plain_threads
+from tkjit.spec import Runtime, Static, TensorArg, Tolerance, ieee_plain_threads, stride_name
 
 MAX_HC = 16
 MAX_HIDDEN = 1 << 16
@@ -108,6 +108,15 @@ def saved_arg(name):
 
 
 SAVED = ("dot", "gate_score", "rstd_x", "rstd_k")
+
+
+def gate_dims(T):
+    """A gate builder's runtime sizes: num_tokens, k's strides (token, head, 1) and v's (token, 1) (k and v
+    may be views: the launcher binds their strides, see heads_arg / v_arg)."""
+    num_tokens = T.dynamic("num_tokens")
+    ks = (T.dynamic(stride_name("k", 0)), T.dynamic(stride_name("k", 1)), 1)
+    vs = (T.dynamic(stride_name("v", 0)), 1)
+    return num_tokens, ks, vs
 
 
 def widest_vec(hidden: int, most: int = 8) -> int:

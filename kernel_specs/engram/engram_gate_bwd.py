@@ -32,7 +32,7 @@ bf16 and warp shuffles: CUDA targets only.
 """
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, TensorArg, stride_name
+from tkjit.spec import KernelSpec, TensorArg
 from tkjit_kernels.engram._gate import (
     COMMON,
     EXAMPLES,
@@ -40,6 +40,7 @@ from tkjit_kernels.engram._gate import (
     PARTIALS,
     SAVED,
     backward64,
+    gate_dims,
     gate_inputs,
     heads_arg,
     partials_check,
@@ -114,9 +115,7 @@ def build(shape, c):
         loop = T.serial
     warps = threads // 32
     scalar = h**-0.5
-    num_tokens = T.dynamic("num_tokens")
-    ks = (T.dynamic(stride_name("k", 0)), T.dynamic(stride_name("k", 1)), 1)
-    vs = (T.dynamic(stride_name("v", 0)), 1)
+    num_tokens, ks, vs = gate_dims(T)
     bf16, f32 = T.bfloat16, T.float32
 
     @T.prim_func

@@ -19,13 +19,14 @@ bf16 and warp shuffles: CUDA targets only.
 """
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, stride_name
+from tkjit.spec import KernelSpec
 from tkjit_kernels.engram._gate import (
     COMMON,
     EXAMPLES,
     PARAMS,
     SAVED,
     forward64,
+    gate_dims,
     gate_inputs,
     heads_arg,
     row_bytes,
@@ -67,9 +68,7 @@ def build(shape, c):
     loop = T.unroll if steps <= UNROLL_STEPS else T.serial
     warps = threads // 32
     scalar = h**-0.5
-    num_tokens = T.dynamic("num_tokens")
-    ks = (T.dynamic(stride_name("k", 0)), T.dynamic(stride_name("k", 1)), 1)
-    vs = (T.dynamic(stride_name("v", 0)), 1)
+    num_tokens, ks, vs = gate_dims(T)
     bf16, f32 = T.bfloat16, T.float32
 
     @T.prim_func

@@ -45,6 +45,7 @@ from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_o
 from tkjit_kernels.quant import _e2m1 as e2m1
 from tkjit_kernels.quant._e2m1 import E2M1  # noqa: F401 (codes 0..15 as values; tests import it from here)
 from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
+from tkjit_kernels.quant._layouts import layout_builders
 
 FORMATS = ("e4m3", "e2m1")  # x: float8_e4m3fn, or int8 holding two FP4 e2m1 codes per byte (TileKernels)
 X_DTYPE = {"e4m3": "float8_e4m3fn", "e2m1": "int8"}
@@ -168,14 +169,6 @@ def load_scale(T, sf, k, srow, col_major, sdt):
         return sf[k, srow]
     byte = T.cast((sf[k // 4, srow] >> T.cast((k % 4) * 8, "int32")) & 255, "uint32")
     return T.reinterpret(byte << T.uint32(23), T.float32)
-
-
-def build(shape, c):
-    return _build(shape, c, col_major=False)
-
-
-def build_colmajor(shape, c):
-    return _build(shape, c, col_major=True)
 
 
 def _build(shape, c, col_major):
@@ -402,6 +395,8 @@ COMMON = dict(
     outputs=(_OUT,),
     tolerance=Tolerance(exact=True),
 )
+
+build, build_colmajor = layout_builders(_build)
 
 SPEC = register(
     KernelSpec(

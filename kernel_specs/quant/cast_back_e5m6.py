@@ -23,6 +23,7 @@ from tkjit.registry import register
 from tkjit.spec import KernelSpec, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant import _e5m6
 from tkjit_kernels.quant import cast_back as cb
+from tkjit_kernels.quant._layouts import layout_builders
 
 SPACE = {
     "vec": (8, 16, 32),  # channels per chunk: 3 * vec / 8 input words
@@ -68,14 +69,6 @@ arch_constraint = cuda_only("needs float16 and bf16 conversions")
 
 
 pass_configs = plain_threads
-
-
-def build(shape, c):
-    return _build(shape, c, col_major=False)
-
-
-def build_colmajor(shape, c):
-    return _build(shape, c, col_major=True)
 
 
 def _build(shape, c, col_major):
@@ -231,6 +224,8 @@ COMMON = dict(
     outputs=(_OUT,),
     tolerance=Tolerance(exact=True),
 )
+
+build, build_colmajor = layout_builders(_build)
 
 SPEC = register(
     KernelSpec(

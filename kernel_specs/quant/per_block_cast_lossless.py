@@ -50,6 +50,7 @@ from tkjit.registry import register
 from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant._e2m1 import decode_bits_tl as _e2m1_bits
+from tkjit_kernels.quant._layouts import layout_builders
 
 BLOCKS_K = (8, 16, 32, 64, 128, 256, 512, 1024)  # channel block sizes: powers of two (TileKernels asserts it)
 HEADROOM = 6  # e_out = max exponent - 6: e2m1's 6 * 2^6 = 384 fits e4m3 (max 448)
@@ -137,14 +138,6 @@ arch_constraint = cuda_only("needs warp shuffles and FP8 conversions")
 
 
 pass_configs = plain_threads
-
-
-def build(shape, c):
-    return _build(shape, c, col_major=False)
-
-
-def build_colmajor(shape, c):
-    return _build(shape, c, col_major=True)
 
 
 def _build(shape, c, col_major):
@@ -416,6 +409,8 @@ COMMON = dict(
     tolerance=Tolerance(exact=True),
     examples=EXAMPLES,
 )
+
+build, build_colmajor = layout_builders(_build)
 
 SPEC = register(
     KernelSpec(

@@ -137,15 +137,7 @@ def x_align(shape, c):
 arch_constraint = cuda_only("needs warp shuffles and FP8 conversions")
 
 
-def build(shape, c):
-    return _build(shape, c, col_major=False)
-
-
-def build_colmajor(shape, c):
-    return _build(shape, c, col_major=True)
-
-
-def _build(shape, c, col_major):
+def build(shape, c, col_major):
     from tilelang import language as T
 
     H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
@@ -321,6 +313,6 @@ _OUT = TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden"))
 SPEC, SPEC_COLMAJOR = register_scale_layouts(
     "per_token_cast",
     "per-token, per-group FP8 e4m3 cast with float32 scales (amax / 448)",
-    out=_OUT, groups=num_groups, build=build, build_colmajor=build_colmajor, reference=reference,
+    out=_OUT, groups=num_groups, build=build, reference=reference,
     reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

@@ -37,15 +37,7 @@ num_groups = _e4m3.num_groups
 arch_constraint = cuda_only("needs warp shuffles")
 
 
-def build(shape, c):
-    return _build(shape, c, col_major=False)
-
-
-def build_colmajor(shape, c):
-    return _build(shape, c, col_major=True)
-
-
-def _build(shape, c, col_major):
+def build(shape, c, col_major):
     from tilelang import language as T
 
     H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
@@ -212,6 +204,6 @@ _OUT = TensorArg("out", "int8", ("num_tokens", lambda s: s["hidden"] // 2))
 SPEC, SPEC_COLMAJOR = register_scale_layouts(
     "per_token_cast_e2m1",
     "per-token, per-group FP4 e2m1 cast (two codes per int8) with float32 scales (amax / 6)",
-    out=_OUT, groups=num_groups, build=build, build_colmajor=build_colmajor, reference=reference,
+    out=_OUT, groups=num_groups, build=build, reference=reference,
     reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

@@ -111,15 +111,7 @@ arch_constraint = cuda_only("needs warp shuffles")
 pass_configs = plain_threads
 
 
-def build(shape, c):
-    return _build(shape, c, col_major=False)
-
-
-def build_colmajor(shape, c):
-    return _build(shape, c, col_major=True)
-
-
-def _build(shape, c, col_major):
+def build(shape, c, col_major):
     from tilelang import language as T
 
     H, in_dtype, round_scale = shape["hidden"], shape["in_dtype"], shape["round_scale"]
@@ -306,6 +298,6 @@ _OUT = TensorArg("out", "int32", ("num_tokens", lambda s: s["hidden"] * 3 // 8))
 SPEC, SPEC_COLMAJOR = register_scale_layouts(
     "per_token_cast_e5m6",
     "per-token cast to 12-bit e5m6 (three int32 words per eight values), float32 scales amax / 65024",
-    out=_OUT, groups=1, build=build, build_colmajor=build_colmajor, reference=reference,
+    out=_OUT, groups=1, build=build, reference=reference,
     reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

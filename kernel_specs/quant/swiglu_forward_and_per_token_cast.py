@@ -96,15 +96,7 @@ def check_shape(shape):
     return None
 
 
-def build(shape, c):
-    return _build(shape, c, col_major=False)
-
-
-def build_colmajor(shape, c):
-    return _build(shape, c, col_major=True)
-
-
-def _build(shape, c, col_major):
+def build(shape, c, col_major):
     from tilelang import language as T
 
     H, G, in_dtype, round_scale = shape["hidden"], shape["group"], shape["in_dtype"], shape["round_scale"]
@@ -401,6 +393,6 @@ _OUT = TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden"))
 SPEC, SPEC_COLMAJOR = register_scale_layouts(
     "swiglu_forward_and_per_token_cast",
     "SwiGLU (optional clamp, routing weights) then per-token FP8 e4m3 cast, float32 scales",
-    out=_OUT, groups=num_groups, build=build, build_colmajor=build_colmajor, reference=reference,
+    out=_OUT, groups=num_groups, build=build, reference=reference,
     reference_colmajor=reference_colmajor, bytes_moved=_bytes_moved, examples=EXAMPLES, **COMMON,
 )

@@ -3,22 +3,26 @@ the spec reference on poisoned outputs; e4m3 and packed e2m1 values, float32 (ro
 UE8M0 scales, per-token groups and blocks, partial blocks; tkjit.ops / torch.compile / opcheck; and TileKernels'
 `cast_back` on the same inputs (per_token_cast round trips and random block-scaled data), bit-exact."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import tkjit
 import tkjit.ops
 from tkjit.compat import tile_kernels as tkc
-from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import cast_back_full as _full  # noqa: E402
+from quant_checks import check_every_config
+from quant_checks import float_bits as _bits
+from quant_checks import param_id as _id
+
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME, COLMAJOR = "cast_back", "cast_back_colmajor"
-
-
-def _full(static, n):
-    return {**static, "num_tokens": n, "num_sf_rows": -(-n // static.get("block_tokens", 1))}
 
 
 STATIC = [  # (spec, static shape)
@@ -51,10 +55,6 @@ EVERY = [
 ]
 
 
-def _id(v):
-    return v if isinstance(v, str) else "-".join(map(str, v.values()))
-
-
 @pytest.mark.parametrize("name,static", STATIC, ids=_id)
 def test_default_config_every_size(name, static):
     tokens = (1, 7, 129, 4001, 65536) if static["hidden"] <= 2048 else (1, 7, 129, 4001)
@@ -65,21 +65,7 @@ def test_default_config_every_size(name, static):
 
 
 def test_every_config_in_the_space():
-    jobs = []
-    for name, static in EVERY:
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape(_full(static, 7))
-        jobs += [(name, spec.static_shape(full), c, "sm_90a", "explicit") for c in spec.configs(full, "sm_90a")]
-    errors = compile_many(jobs)
-    assert all(err is None for _, err in errors), [err for _, err in errors if err][:5]
-    failures = []
-    for i, (name, static, cfg, _, _) in enumerate(jobs):
-        for t in (1, 7, 4001):
-            kern = tkjit.get(name, _full(static, t), config=cfg)
-            msg = check(kern, _full(static, t), seed=i)
-            if msg:
-                failures.append(msg)
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    check_every_config(EVERY, _full)
 
 
 def test_strided_x_and_scales():
@@ -176,10 +162,6 @@ def test_report_time_at_target():
 
 def _tk():
     return pytest.importorskip("tile_kernels")
-
-
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 @pytest.mark.parametrize("n", [1, 129, 4001])

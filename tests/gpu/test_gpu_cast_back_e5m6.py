@@ -4,23 +4,27 @@ per-token and block scales, partial blocks; strided x; tkjit.ops / torch.compile
 cast_back(x_special_fmt='e5m6') (its kernel and its torch reference `cast_back_from_e5m6`) on the same inputs,
 bit-exact."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import tkjit
 import tkjit.ops
 from tkjit.compat import tile_kernels as tkc
-from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import cast_back_full as _full  # noqa: E402
+from quant_checks import check_every_config
+from quant_checks import float_bits as _bits
+from quant_checks import param_id as _id
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME, COLMAJOR = "cast_back_e5m6", "cast_back_e5m6_colmajor"
 HIDDENS = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # TileKernels' test hidden sizes
-
-
-def _full(static, n):
-    return {**static, "num_tokens": n, "num_sf_rows": -(-n // static.get("block_tokens", 1))}
 
 
 STATIC = [(NAME, {"hidden": h, "block_channels": h}) for h in HIDDENS] + [
@@ -46,10 +50,6 @@ EVERY = [
 ]
 
 
-def _id(v):
-    return v if isinstance(v, str) else "-".join(map(str, v.values()))
-
-
 @pytest.mark.parametrize("name,static", STATIC, ids=_id)
 def test_default_config_every_size(name, static):
     for t in (1, 7, 129, 4001, 8001):
@@ -59,21 +59,7 @@ def test_default_config_every_size(name, static):
 
 
 def test_every_config_in_the_space():
-    jobs = []
-    for name, static in EVERY:
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape(_full(static, 7))
-        jobs += [(name, spec.static_shape(full), c, "sm_90a", "explicit") for c in spec.configs(full, "sm_90a")]
-    errors = compile_many(jobs)
-    assert all(err is None for _, err in errors), [err for _, err in errors if err][:5]
-    failures = []
-    for i, (name, static, cfg, _, _) in enumerate(jobs):
-        for t in (1, 7, 4001):
-            kern = tkjit.get(name, _full(static, t), config=cfg)
-            msg = check(kern, _full(static, t), seed=i)
-            if msg:
-                failures.append(f"{name} {cfg} t={t}: {msg}")
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    check_every_config(EVERY, _full)
 
 
 def test_strided_x_and_scales():
@@ -90,10 +76,6 @@ def test_strided_x_and_scales():
 
 
 # -- tkjit.ops, torch.compile, opcheck ---------------------------------------------------------------------
-
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
 
 @pytest.mark.parametrize("layout", ["row", "col", "packed"])
 def test_ops_round_trip(layout):

@@ -2,6 +2,9 @@
 config of the space at a few, bit-exact against the spec reference (poisoned outputs); TileKernels' test
 shapes against its torch reference and its kernels; the ops under torch.compile(fullgraph=True) and opcheck."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,9 @@ import tkjit.compat.tile_kernels
 import tkjit.ops
 from tkjit.testing import check, check_configs
 from tkjit.timing import median, time_cuda
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import strided_byte_same as _same  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 CAST, TRANSPOSE = "per_channel_cast", "per_channel_cast_and_transpose"
@@ -61,12 +67,6 @@ def _x(tokens, hidden, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g) * torch.exp(2 * torch.randn(1, hidden, generator=g))
     return x.to(dtype).cuda()
-
-
-def _same(a, b):
-    """Same shape, strides (of a non-empty tensor) and bits."""
-    return (a.shape == b.shape and (a.numel() == 0 or a.stride() == b.stride())
-            and torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -5,15 +5,22 @@ strided x; tkjit.ops / torch.compile / opcheck; and TileKernels' per_token_cast(
 cast_back (tkjit's against TileKernels' and its torch reference); x_block_size (a quantised input re-cast) against
 TileKernels' torch reference."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import tkjit
 import tkjit.ops
 from tkjit.compat import tile_kernels as tkc
-from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import check_every_config
+from quant_checks import float_bits as _bits  # noqa: E402
+from quant_checks import param_id as _id
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME, COLMAJOR = "per_token_cast_e2m1", "per_token_cast_e2m1_colmajor"
@@ -35,10 +42,6 @@ EVERY = [
 ]
 
 
-def _id(v):
-    return v if isinstance(v, str) else "-".join(map(str, v.values()))
-
-
 @pytest.mark.parametrize("name,static", STATIC, ids=_id)
 def test_default_config_every_size(name, static):
     for t in (1, 7, 129, 4001, 8001):
@@ -48,21 +51,7 @@ def test_default_config_every_size(name, static):
 
 
 def test_every_config_in_the_space():
-    jobs = []
-    for name, static in EVERY:
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape({**static, "num_tokens": 7})
-        jobs += [(name, spec.static_shape(full), c, "sm_90a", "explicit") for c in spec.configs(full, "sm_90a")]
-    errors = compile_many(jobs)
-    assert all(err is None for _, err in errors), [err for _, err in errors if err][:5]
-    failures = []
-    for i, (name, static, cfg, _, _) in enumerate(jobs):
-        for t in (1, 7, 4001):
-            kern = tkjit.get(name, {**static, "num_tokens": t}, config=cfg)
-            msg = check(kern, {**static, "num_tokens": t}, seed=i)
-            if msg:
-                failures.append(f"{name} {cfg} t={t}: {msg}")
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    check_every_config(EVERY)
 
 
 def test_strided_x():
@@ -220,10 +209,6 @@ def test_round_trip_matches_tile_kernels(hidden, group, fmt, layout):
     got = _tk_kernel(tk.quant.per_token_cast_back, (q, sf), fmt, group)
     if got is not None:
         assert torch.equal(_bits(out), _bits(got))
-
-
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 # -- x_block_size: a quantised (values, scales) input, dequantised by cast_back then cast (two kernels) ----------

@@ -3,16 +3,23 @@ bit-exact with the spec reference on poisoned outputs; strided x; tkjit.ops / to
 TileKernels' per_token_cast(fmt='e5m6') (its kernel and its torch reference `cast_to_e5m6`) on its own inputs
 (`generate_e5m6_inputs`: random and the e5m6 special values), bit-exact: bytes, scales, layouts."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import tkjit
 import tkjit.ops
 from tkjit.compat import tile_kernels as tkc
-from tkjit.pool import compile_many
 from tkjit.testing import check
 from tkjit.timing import median, time_cuda
 from tkjit_kernels.quant import _e5m6
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import check_every_config
+from quant_checks import float_bits as _bits  # noqa: E402
+from quant_checks import param_id as _id
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME, COLMAJOR = "per_token_cast_e5m6", "per_token_cast_e5m6_colmajor"
@@ -36,10 +43,6 @@ EVERY = [
 ]
 
 
-def _id(v):
-    return v if isinstance(v, str) else "-".join(map(str, v.values()))
-
-
 @pytest.mark.parametrize("name,static", STATIC, ids=_id)
 def test_default_config_every_size(name, static):
     tokens = (1, 7, 129, 4001, 8001) if static["hidden"] <= 8192 else (1, 7, 129)
@@ -50,21 +53,7 @@ def test_default_config_every_size(name, static):
 
 
 def test_every_config_in_the_space():
-    jobs = []
-    for name, static in EVERY:
-        spec = tkjit.get_spec(name)
-        full = spec.canonical_shape({**static, "num_tokens": 7})
-        jobs += [(name, spec.static_shape(full), c, "sm_90a", "explicit") for c in spec.configs(full, "sm_90a")]
-    errors = compile_many(jobs)
-    assert all(err is None for _, err in errors), [err for _, err in errors if err][:5]
-    failures = []
-    for i, (name, static, cfg, _, _) in enumerate(jobs):
-        for t in (1, 7, 4001):
-            kern = tkjit.get(name, {**static, "num_tokens": t}, config=cfg)
-            msg = check(kern, {**static, "num_tokens": t}, seed=i)
-            if msg:
-                failures.append(f"{name} {cfg} t={t}: {msg}")
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    check_every_config(EVERY)
 
 
 def test_strided_x():
@@ -198,5 +187,3 @@ def test_round_trip_matches_tile_kernels(hidden, fmt, layout):
     assert torch.equal(_bits(out), _bits(tk.torch.cast_back_from_e5m6((q, sf), fmt, (1, hidden))))
 
 
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)

@@ -4,6 +4,9 @@ expf in the last bit, hence the spec's rtol) and bit for bit against the same re
 TileKernels' test shapes against its torch reference and its kernel; the ops under torch.compile(fullgraph=True)
 and opcheck."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,9 @@ import tkjit.compat.tile_kernels
 import tkjit.ops
 from tkjit.testing import check, check_configs
 from tkjit.timing import median, time_cuda
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import strided_byte_same as _same  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 TRANSPOSE = "swiglu_forward_and_per_channel_cast_and_transpose"
@@ -42,12 +48,6 @@ STATIC = [
 
 def _id(s):
     return "-".join(str(v) for v in s.values())
-
-
-def _same(a, b):
-    """Same shape, strides (of a non-empty tensor) and bits."""
-    return (a.shape == b.shape and (a.numel() == 0 or a.stride() == b.stride())
-            and torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
 
 
 def _exact_on_gpu(kern, shape, seed):

@@ -4,13 +4,18 @@ TileKernels' reference's order) with poisoned outputs and the in-place clamp cou
 package (its torch references bit-exactly, its kernel on the rows it writes); the op under opcheck and
 torch.compile(fullgraph=True)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import tkjit
 import tkjit.ops
-from tkjit.pool import compile_many
 from tkjit.testing import check
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import check_every_config  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME = "swiglu_forward_and_per_token_cast"
@@ -47,21 +52,7 @@ def test_default_config_every_size(name, static):
 
 
 def test_every_config_in_the_space():
-    spec = tkjit.get_spec(NAME)
-    jobs = []
-    for static in EVERY:
-        full = spec.canonical_shape(_full(static, 7))
-        jobs += [(NAME, spec.static_shape(full), c, "sm_90a", "explicit") for c in spec.configs(full, "sm_90a")]
-    errors = compile_many(jobs)
-    assert all(err is None for _, err in errors), [err for _, err in errors if err][:5]
-    failures = []
-    for i, (_, static, cfg, _, _) in enumerate(jobs):
-        for n in (1, 7, 4001):
-            kern = tkjit.get(NAME, _full(static, n), config=cfg)
-            msg = check(kern, _full(static, n), seed=i)
-            if msg:
-                failures.append(msg)
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    check_every_config([(NAME, static) for static in EVERY], _full)
 
 
 def _tk_inputs(n, hidden, seed=0, num_tokens=512, topk=8):

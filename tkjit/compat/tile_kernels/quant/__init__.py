@@ -689,21 +689,13 @@ def per_block_cast_with_sf_only(
                            round_sf, use_packed_ue8m0)[1]
 
 
-def _cast_back(fn: str, x, fmt, x_block_size, x_special_fmt) -> torch.Tensor:
-    """TileKernels' cast_back checks, then tkjit's kernel."""
-    if not isinstance(fmt, str) or fmt not in BACK_FORMATS:
-        raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(BACK_FORMATS)}, got {fmt!r}")
-    if x_special_fmt == "e5m6":
-        return _cast_back_e5m6(fn, x, fmt, x_block_size)
-    if x_special_fmt is not None:
-        raise ShapeError(f"tile_kernels.{fn}: x_special_fmt must be None or 'e5m6', got {x_special_fmt!r}")
+def _values_and_scales(fn: str, x, x_block_size, check_values) -> tuple:
+    """cast_back's x = (values, scales) and x_block_size as TileKernels checks them: (values, scales, whether the
+    scales are column-major, num_per_tokens, num_per_channels). check_values(fn, values): the format's checks."""
     if not isinstance(x, tuple) or len(x) != 2:
         raise TensorError(f"tile_kernels.{fn}: x must be a (values, scales) tuple, got {type(x).__name__}")
     data, sf = x
-    tensor(fn, "x[0] (values)", data, (2,))
-    if data.dtype == torch.uint8:  # TileKernels' e5m6 packing; its plain kernel would read the bytes as integers
-        raise missing(fn, FAMILY, "x[0].dtype=torch.uint8 without x_special_fmt='e5m6'")
-    tensor(fn, "x[0] (values)", data, (2,), (torch.float8_e4m3fn, torch.int8))
+    check_values(fn, data)
     tensor(fn, "x[1] (scales)", sf, (2,), (torch.int32, torch.float32))
     col_major = sf.stride(0) == 1  # TileKernels reads the layout off the strides
     if not col_major and (sf.stride(1) != 1 or sf.dtype != torch.float32):
@@ -716,6 +708,25 @@ def _cast_back(fn: str, x, fmt, x_block_size, x_special_fmt) -> torch.Tensor:
     bc = as_int(fn, "x_block_size[1] (num_per_channels)", x_block_size[1])
     if bt < 1 or bc < 1:
         raise ShapeError(f"tile_kernels.{fn}: x_block_size must be positive, got {x_block_size!r}")
+    return data, sf, col_major, bt, bc
+
+
+def _check_plain_values(fn: str, data) -> None:
+    tensor(fn, "x[0] (values)", data, (2,))
+    if data.dtype == torch.uint8:  # TileKernels' e5m6 packing; its plain kernel would read the bytes as integers
+        raise missing(fn, FAMILY, "x[0].dtype=torch.uint8 without x_special_fmt='e5m6'")
+    tensor(fn, "x[0] (values)", data, (2,), (torch.float8_e4m3fn, torch.int8))
+
+
+def _cast_back(fn: str, x, fmt, x_block_size, x_special_fmt) -> torch.Tensor:
+    """TileKernels' cast_back checks, then tkjit's kernel."""
+    if not isinstance(fmt, str) or fmt not in BACK_FORMATS:
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(BACK_FORMATS)}, got {fmt!r}")
+    if x_special_fmt == "e5m6":
+        return _cast_back_e5m6(fn, x, fmt, x_block_size)
+    if x_special_fmt is not None:
+        raise ShapeError(f"tile_kernels.{fn}: x_special_fmt must be None or 'e5m6', got {x_special_fmt!r}")
+    data, sf, col_major, bt, bc = _values_and_scales(fn, x, x_block_size, _check_plain_values)
     num_tokens, hidden = data.shape[0], data.shape[1] * (2 if data.dtype == torch.int8 else 1)
     if hidden % 64:
         raise ShapeError(f"tile_kernels.{fn}: hidden ({hidden}) must be a multiple of 64")
@@ -850,22 +861,9 @@ def _per_token_cast_e5m6(fn: str, x, num_per_channels, x_block_size, use_tma_ali
 
 def _cast_back_e5m6(fn: str, x, fmt, x_block_size) -> torch.Tensor:
     """TileKernels' cast_back_e5m6 checks (fmt already checked), then tkjit's kernel."""
-    if not isinstance(x, tuple) or len(x) != 2:
-        raise TensorError(f"tile_kernels.{fn}: x must be a (values, scales) tuple, got {type(x).__name__}")
-    data, sf = x
-    tensor(fn, "x[0] (values)", data, (2,), (torch.uint8,))
-    tensor(fn, "x[1] (scales)", sf, (2,), (torch.int32, torch.float32))
-    col_major = sf.stride(0) == 1  # TileKernels reads the layout off the strides
-    if not col_major and (sf.stride(1) != 1 or sf.dtype != torch.float32):
-        raise TensorError(f"tile_kernels.{fn}: x[1] (scales) must be float32 with a contiguous last axis, or "
-                          f"column-major (stride(0) == 1); got {sf.dtype} strides {sf.stride()}")
-    if not isinstance(x_block_size, tuple) or len(x_block_size) != 2:
-        raise ShapeError(f"tile_kernels.{fn}: x_block_size must be a (num_per_tokens, num_per_channels) tuple, "
-                         f"got {x_block_size!r}")
-    bt = as_int(fn, "x_block_size[0] (num_per_tokens)", x_block_size[0])
-    bc = as_int(fn, "x_block_size[1] (num_per_channels)", x_block_size[1])
-    if bt < 1 or bc < 1:
-        raise ShapeError(f"tile_kernels.{fn}: x_block_size must be positive, got {x_block_size!r}")
+    data, sf, col_major, bt, bc = _values_and_scales(
+        fn, x, x_block_size, lambda fn, data: tensor(fn, "x[0] (values)", data, (2,), (torch.uint8,))
+    )
     num_tokens, width = data.shape
     if width % 12:
         raise ShapeError(f"tile_kernels.{fn}: x[0] (values) has {width} bytes per row; e5m6 packs 8 values in "
