@@ -120,6 +120,7 @@ def test_ops_forward_backward(reference_kernels, lead):
     x = bf16(*lead, 24, seed=1).requires_grad_(True)
     y = ops.expand_to_mhc(x, 4)
     assert y.shape == (*lead, 4, 24) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    assert y.grad_fn.next_functions[0][0].variable is x  # one autograd node: no views around the Function
     assert torch.equal(y, x.detach().unsqueeze(-2).expand(*lead, 4, 24))
     g = bf16(*lead, 4, 24, seed=2)
     y.backward(g)

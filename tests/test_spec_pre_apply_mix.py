@@ -146,6 +146,8 @@ def test_ops_forward_backward(reference_kernels, lead):
     xr, mr = x.clone().requires_grad_(True), mix.clone().requires_grad_(True)
     o = ops.mhc_pre_apply_mix(xr, mr)
     assert o.shape == (*lead, 32) and o.dtype == torch.bfloat16
+    # one autograd node, straight from the leaves: no views around the Function
+    assert all(f.variable is t for (f, _), t in zip(o.grad_fn.next_functions, (xr, mr)))
     o.backward(go)
     fwd, bwd = tkjit.get_spec("pre_apply_mix"), tkjit.get_spec("pre_apply_mix_bwd")
     full = {"mhc_mult": 4}
