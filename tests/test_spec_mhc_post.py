@@ -296,6 +296,8 @@ def test_autograd_matches_float64(reference_kernels, lead):
     out = tkjit.ops.mhc_post(x, res, post, comb)
     assert out.shape == res.shape and out.dtype == torch.bfloat16
     assert torch.equal(out, forward(x, res, post, comb).bfloat16())
+    # one autograd node, straight from the leaves: no views around the Function
+    assert all(f.variable is t for (f, _), t in zip(out.grad_fn.next_functions, (x, res, post, comb)))
     out.backward(go)
     for got, want in zip((x.grad, res.grad, post.grad, comb.grad), _float64_grads(x, res, post, comb, go)):
         assert got.dtype == (torch.bfloat16 if want.shape[-1] == h else torch.float32)

@@ -208,13 +208,18 @@ _mhc_post_fwd = torch.ops.tkjit.mhc_post_fwd.default
 
 
 class MhcPostFunction(torch.autograd.Function):
-    """Eager mhc_post_fwd / mhc_post_bwd on the flattened tokens (see torch_ops' mhc_post block)."""
+    """Eager mhc_post_fwd / mhc_post_bwd: x (..., hidden), residual (..., mhc, hidden), post_layer_mix (..., mhc)
+    or (..., mhc, 1), comb_res_mix (..., mhc, mhc), flattened to the kernels' tokens inside (see torch_ops'
+    mhc_post block)."""
 
     @staticmethod
     def forward(ctx, x, residual, post_layer_mix, comb_res_mix, fwd_config, bwd_config):
-        ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
+        m, h = residual.shape[-2:]
+        flat = (x.reshape(-1, h), rows(residual, 2), post_layer_mix.reshape(-1, m), rows(comb_res_mix, 2))
+        ctx.save_for_backward(*flat)
         ctx.bwd_config = bwd_config
-        return torch_ops.mhc_post_fwd_impl(x, residual, post_layer_mix, comb_res_mix, fwd_config)
+        ctx.shapes = tuple(t.shape for t in (x, residual, post_layer_mix, comb_res_mix))
+        return torch_ops.mhc_post_fwd_impl(*flat, fwd_config).view(residual.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -222,7 +227,8 @@ class MhcPostFunction(torch.autograd.Function):
         if grad_out.dtype != torch.bfloat16:
             grad_out = grad_out.to(torch.bfloat16)
         with torch.no_grad():
-            grads = torch_ops.mhc_post_bwd_impl(grad_out.contiguous(), *saved, ctx.bwd_config)
+            grads = torch_ops.mhc_post_bwd_impl(rows(grad_out, 2).contiguous(), *saved, ctx.bwd_config)
+        grads = tuple(shaped(g, shape) for g, shape in zip(grads, ctx.shapes))
         if torch.is_grad_enabled():  # create_graph=True: the gradients' own backward must say why it fails
             grads = _MhcPostOnce.apply(*grads, *saved)
         return (*grads, None, None)
@@ -258,6 +264,9 @@ def mhc_post(
     bfloat16, post_layer_mix (..., mhc, 1) or (..., mhc) and comb_res_mix (..., mhc, mhc) float32 ->
     out (..., mhc, hidden) bfloat16 = post_layer_mix * x + comb_res_mix^T @ residual."""
     x, residual, post_layer_mix, comb_res_mix = mhc_post_args("mhc_post", x, residual, post_layer_mix, comb_res_mix)
+    tensors = (x, residual, post_layer_mix, comb_res_mix)
+    if all(plain(t) for t in tensors):  # the Function flattens the leading dims itself: no view nodes around it
+        return MhcPostFunction.apply(*tensors, encode_config(fwd_config), encode_config(bwd_config))
     m, h = residual.shape[-2:]
     out = mhc_post_flat(x.reshape(-1, h), residual.reshape(-1, m, h), post_layer_mix.reshape(-1, m),
                         comb_res_mix.reshape(-1, m, m), fwd_config, bwd_config)
