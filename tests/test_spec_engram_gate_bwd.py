@@ -284,6 +284,8 @@ def test_tkjit_engram_gate_matches_float64_autograd(reference_kernels, seed):
     leaves = [t.clone().requires_grad_() for t in leaves]
     out = tkjit.ops.engram_gate(*leaves, 1e-6, 1e-6)
     assert out.shape == shape and out.dtype == torch.bfloat16
+    # one autograd node, straight from the leaves: no views around the Function
+    assert all(f.variable is t for (f, _), t in zip(out.grad_fn.next_functions, leaves))
     out.backward(go.view(shape))
     want = _autograd64(x, k, v, wh, we, go)
     assert torch.equal(out.view(-1, 4, 1024), want[0].bfloat16())

@@ -381,19 +381,21 @@ class EngramGateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, num_partials):
         eager = all(plain(t) for t in (hidden_states, k, v, weight_hidden, weight_embed))
+        ctx.shapes = (hidden_states.shape, k.shape, v.shape)
+        hidden_states, k, v = rows(hidden_states, 2), rows(k, 2), rows(v, 1)
         weight_fused = _engram_call(eager, "fused_weight", weight_hidden, weight_embed, None)
         out, *saved = _engram_call(eager, "engram_gate_fwd", hidden_states, k, v, weight_fused, float(eps),
                                    float(clamp_value), None)
         ctx.save_for_backward(hidden_states, k, v, weight_hidden, weight_embed, weight_fused, *saved)
         ctx.args = (float(clamp_value), int(num_partials), eager)
-        return out
+        return out.view(ctx.shapes[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, k, v, weight_hidden, weight_embed, weight_fused, *saved = ctx.saved_tensors
         clamp_value, num_partials, eager = ctx.args
         eager = eager and plain(grad_out)
-        grad_out = grad_out.to(torch.bfloat16).contiguous()
+        grad_out = rows(grad_out.to(torch.bfloat16), 2).contiguous()
         with torch.no_grad():
             grad_x, grad_k, grad_v, partial = _engram_call(eager, "engram_gate_bwd", grad_out, x, k, v, weight_fused,
                                                            *saved, clamp_value, num_partials, None)
@@ -403,7 +405,7 @@ class EngramGateFunction(torch.autograd.Function):
             grad_we = main_we if main_we is not None else torch.zeros_like(weight_embed, dtype=torch.float32)
             _engram_call(eager, "grad_w_reduce", partial, weight_hidden, weight_embed, grad_wh, grad_we, None)
         deps = (grad_out, x, k, v, weight_hidden, weight_embed)
-        once = [_once("engram_gate", g, *deps) for g in (grad_x, grad_k, grad_v)]
+        once = [_once("engram_gate", shaped(g, shape), *deps) for g, shape in zip((grad_x, grad_k, grad_v), ctx.shapes)]
         return (*once, None if main_wh is not None else _once("engram_gate", grad_wh, *deps),
                 None if main_we is not None else _once("engram_gate", grad_we, *deps), None, None, None)
 
@@ -424,9 +426,8 @@ def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[name]:
             raise TensorError(f"engram_gate: {name} must have shape {want[name]} (hidden_states is "
                               f"{tuple(hidden_states.shape)}), got {getattr(t, 'shape', type(t).__name__)}")
-    out = EngramGateFunction.apply(hidden_states.reshape(-1, m, h), k.reshape(-1, m, h), v.reshape(-1, h),
-                                   weight_hidden, weight_embed, clamp_value, eps, num_partials)
-    return out.view(hidden_states.shape)
+    # (the Function flattens the leading dims itself: no view nodes around it)
+    return EngramGateFunction.apply(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, num_partials)
 
 
 # -- mhc_pre_norm_fn -----------------------------------------------------------------------------------
