@@ -215,6 +215,8 @@ def test_autograd_matches_float64(reference_bwd, lead):
     go = torch.randn(*lead, 4, generator=g)
     out = tkjit.ops.mhc_head_compute_mix(x, scale, base, 1e-2)
     assert out.shape == x.shape and out.dtype == torch.float32
+    # one autograd node, straight from the leaves: no views around the Function
+    assert all(f.variable is t for (f, _), t in zip(out.grad_fn.next_functions, (x, scale, base)))
     torch.testing.assert_close(out, tk_ref(x, scale, base, 1e-2), rtol=1e-5, atol=1e-6)
     out.backward(go)
     for got, want in zip((x.grad, scale.grad, base.grad), float64_grads(x, scale, base, 1e-2, go)):

@@ -157,6 +157,9 @@ def test_autograd_matches_float64(reference_bwd, compiled):
         f = torch.compile(f, fullgraph=True, backend="aot_eager")
     leaves = [t.clone().requires_grad_() for t in (x, scale, base)]
     outs = f(*leaves)
+    if not compiled:  # one autograd node for the three outputs, straight from the leaves: no views around it
+        assert len({o.grad_fn for o in outs}) == 1
+        assert all(f.variable is t for (f, _), t in zip(outs[0].grad_fn.next_functions, leaves))
     for got, want in zip(outs, tk_ref(x, scale, base, 4, 2.0, 1e-2)):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

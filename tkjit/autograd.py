@@ -301,33 +301,41 @@ def mhc_post_args(op: str, x, residual, post_layer_mix, comb_res_mix):
 
 
 class MhcHeadComputeMixFunction(torch.autograd.Function):
-    """Eager mhc_head_compute_mix / mhc_head_compute_mix_bwd on input_mix (num_tokens, mhc_mult) float32."""
+    """Eager mhc_head_compute_mix / mhc_head_compute_mix_bwd on input_mix (..., mhc_mult) float32 (flattened to
+    the kernel's rows inside)."""
 
     @staticmethod
     def forward(ctx, input_mix, mhc_scale, mhc_base, mhc_pre_eps, config, bwd_config):
-        ctx.save_for_backward(input_mix, mhc_scale, mhc_base)
-        ctx.bwd_config = bwd_config
-        return torch_ops.mhc_head_compute_mix_impl(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config)
+        flat = rows(input_mix, 1).contiguous()
+        ctx.save_for_backward(flat, mhc_scale, mhc_base)
+        ctx.bwd_config, ctx.shape = bwd_config, input_mix.shape
+        return torch_ops.mhc_head_compute_mix_impl(flat, mhc_scale, mhc_base, mhc_pre_eps, config).view(ctx.shape)
 
     @staticmethod
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         with torch.no_grad():
-            grads = torch_ops.mhc_head_compute_mix_bwd_impl(grad.float().contiguous(), *saved, ctx.bwd_config)
+            g, gs, gb = torch_ops.mhc_head_compute_mix_bwd_impl(rows(grad.float(), 1).contiguous(), *saved,
+                                                                ctx.bwd_config)
         deps = (grad, *saved)
-        return (*(_once("mhc_head_compute_mix", g, *deps) for g in grads), None, None, None)
+        return (*(_once("mhc_head_compute_mix", g, *deps) for g in (shaped(g, ctx.shape), gs, gb)), None, None, None)
 
 
 class MhcPreSplitMixesFunction(torch.autograd.Function):
-    """Eager mhc_pre_split_mixes / mhc_pre_split_mixes_bwd on input_mixes (num_tokens, 2m + m*m) float32."""
+    """Eager mhc_pre_split_mixes / mhc_pre_split_mixes_bwd on input_mixes (..., 2m + m*m) float32 (flattened to
+    the kernel's rows inside) -> pre (..., m, 1), post (..., m, 1), comb (..., m, m)."""
 
     @staticmethod
     def forward(ctx, input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value, mhc_pre_eps, config,
                 bwd_config):
-        ctx.save_for_backward(input_mixes, mhc_scale, mhc_base)
+        flat = rows(input_mixes, 1).contiguous()
+        ctx.save_for_backward(flat, mhc_scale, mhc_base)
         ctx.args = (mhc_mult, mhc_post_mult_value, bwd_config)
-        return torch_ops.mhc_pre_split_mixes_impl(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value,
-                                                  mhc_pre_eps, config)
+        ctx.shape = input_mixes.shape
+        pre, post, comb = torch_ops.mhc_pre_split_mixes_impl(flat, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value,
+                                                             mhc_pre_eps, config)
+        lead, m = input_mixes.shape[:-1], mhc_mult
+        return pre.view(*lead, m, 1), post.view(*lead, m, 1), comb.view(*lead, m, m)
 
     @staticmethod
     def backward(ctx, pre_grad, post_grad, comb_grad):
@@ -335,29 +343,34 @@ class MhcPreSplitMixesFunction(torch.autograd.Function):
         m, mult, bwd_config = ctx.args
         gs = torch_ops.split_mix_grads((pre_grad, post_grad, comb_grad), saved[0], m)
         with torch.no_grad():
-            grads = torch_ops.mhc_pre_split_mixes_bwd_impl(*gs, *saved, mult, bwd_config)
+            g, gs, gb = torch_ops.mhc_pre_split_mixes_bwd_impl(*gs, *saved, mult, bwd_config)
         deps = tuple(g for g in (pre_grad, post_grad, comb_grad) if g is not None) + saved
-        return (*(_once("mhc_pre_split_mixes", g, *deps) for g in grads), None, None, None, None, None)
+        return (*(_once("mhc_pre_split_mixes", g, *deps) for g in (shaped(g, ctx.shape), gs, gb)),
+                None, None, None, None, None)
 
 
-def mhc_head_compute_mix_flat(input_mix, mhc_scale, mhc_base, mhc_pre_eps: float, fwd_config=None,
-                              bwd_config=None) -> torch.Tensor:
-    """Differentiable mhc_head_compute_mix on the kernel's (num_tokens, mhc_mult) rows."""
-    args = (input_mix, mhc_scale, mhc_base, float(mhc_pre_eps), encode_config(fwd_config), encode_config(bwd_config))
-    if all(plain(t) for t in args[:3]):
-        return MhcHeadComputeMixFunction.apply(*args)
-    return torch.ops.tkjit.mhc_head_compute_mix.default(*args)
+def mhc_head_compute_mix(input_mix, mhc_scale, mhc_base, mhc_pre_eps: float, fwd_config=None,
+                         bwd_config=None) -> torch.Tensor:
+    """Differentiable mhc_head_compute_mix on input_mix (..., mhc_mult) float32 (mhc_scale, mhc_base contiguous)."""
+    args = (float(mhc_pre_eps), encode_config(fwd_config), encode_config(bwd_config))
+    if plain(input_mix) and plain(mhc_scale) and plain(mhc_base):
+        return MhcHeadComputeMixFunction.apply(input_mix, mhc_scale, mhc_base, *args)
+    flat = rows(input_mix, 1).contiguous()
+    return torch.ops.tkjit.mhc_head_compute_mix.default(flat, mhc_scale, mhc_base, *args).view(input_mix.shape)
 
 
-def mhc_pre_split_mixes_flat(input_mixes, mhc_scale, mhc_base, mhc_mult: int, mhc_post_mult_value: float,
-                             mhc_pre_eps: float, fwd_config=None, bwd_config=None) -> tuple[torch.Tensor, ...]:
-    """Differentiable mhc_pre_split_mixes on the kernel's (num_tokens, 2m + m*m) rows: (pre (num_tokens, m),
-    post (num_tokens, m), comb (num_tokens, m*m))."""
-    args = (input_mixes, mhc_scale, mhc_base, int(mhc_mult), float(mhc_post_mult_value), float(mhc_pre_eps),
-            encode_config(fwd_config), encode_config(bwd_config))
-    if all(plain(t) for t in args[:3]):
-        return MhcPreSplitMixesFunction.apply(*args)
-    return torch.ops.tkjit.mhc_pre_split_mixes.default(*args)
+def mhc_pre_split_mixes(input_mixes, mhc_scale, mhc_base, mhc_mult: int, mhc_post_mult_value: float,
+                        mhc_pre_eps: float, fwd_config=None, bwd_config=None) -> tuple[torch.Tensor, ...]:
+    """Differentiable mhc_pre_split_mixes on input_mixes (..., 2m + m*m) float32 (mhc_scale, mhc_base contiguous):
+    (pre (..., m, 1), post (..., m, 1), comb (..., m, m))."""
+    args = (int(mhc_mult), float(mhc_post_mult_value), float(mhc_pre_eps), encode_config(fwd_config),
+            encode_config(bwd_config))
+    if plain(input_mixes) and plain(mhc_scale) and plain(mhc_base):
+        return MhcPreSplitMixesFunction.apply(input_mixes, mhc_scale, mhc_base, *args)
+    flat = rows(input_mixes, 1).contiguous()
+    pre, post, comb = torch.ops.tkjit.mhc_pre_split_mixes.default(flat, mhc_scale, mhc_base, *args)
+    lead, m = input_mixes.shape[:-1], mhc_mult
+    return pre.view(*lead, m, 1), post.view(*lead, m, 1), comb.view(*lead, m, m)
 
 
 # -- engram_gate ---------------------------------------------------------------------------------------

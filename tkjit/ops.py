@@ -687,15 +687,14 @@ def mhc_head_compute_mix(input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_b
     """input_mix (..., mhc_mult) float32, mhc_scale (1,), mhc_base (mhc_mult,) float32 -> (..., mhc_mult)
     float32 = sigmoid(input_mix * mhc_scale + mhc_base) + mhc_pre_eps (TileKernels' mhc_head_compute_mix).
     Differentiable in all three tensors (the gradient runs mhc_head_compute_mix_bwd)."""
-    from tkjit.autograd import mhc_head_compute_mix_flat
+    from tkjit.autograd import mhc_head_compute_mix as differentiable
 
     m = check_head_compute_mix("mhc_head_compute_mix", input_mix, mhc_scale, mhc_base)
-    flat = input_mix.reshape(-1, m).contiguous()
     scale, base = mhc_scale.contiguous(), mhc_base.contiguous()
-    if _eager(flat, scale, base):
-        out = torch_ops.mhc_head_compute_mix_impl(flat, scale, base, float(mhc_pre_eps), encode_config(config))
-    else:
-        out = mhc_head_compute_mix_flat(flat, scale, base, mhc_pre_eps, config, bwd_config)
+    if not _eager(input_mix, scale, base):  # (the Function flattens the leading dims itself: one autograd node)
+        return differentiable(input_mix, scale, base, mhc_pre_eps, config, bwd_config)
+    flat = input_mix.reshape(-1, m).contiguous()
+    out = torch_ops.mhc_head_compute_mix_impl(flat, scale, base, float(mhc_pre_eps), encode_config(config))
     return out.view(input_mix.shape)
 
 
@@ -725,16 +724,15 @@ def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_
     (..., m, 1) = sigmoid(z[:m]) + mhc_pre_eps, post_layer_mix (..., m, 1) = sigmoid(z[m:2m]) *
     mhc_post_mult_value, comb_res_mix (..., m, m) = z[2m:], z = input_mixes * mhc_scale[k] + mhc_base
     (TileKernels' mhc_pre_split_mixes). Differentiable (the gradient runs mhc_pre_split_mixes_bwd)."""
-    from tkjit.autograd import mhc_pre_split_mixes_flat
+    from tkjit.autograd import mhc_pre_split_mixes as differentiable
 
     w = check_pre_split_mixes("mhc_pre_split_mixes", input_mixes, mhc_scale, mhc_base, mhc_mult)
-    flat = input_mixes.reshape(-1, w).contiguous()
     scale, base = mhc_scale.contiguous(), mhc_base.contiguous()
     args = (mhc_mult, float(mhc_post_mult_value), float(mhc_pre_eps))
-    if _eager(flat, scale, base):
-        pre, post, comb = torch_ops.mhc_pre_split_mixes_impl(flat, scale, base, *args, encode_config(config))
-    else:
-        pre, post, comb = mhc_pre_split_mixes_flat(flat, scale, base, *args, config, bwd_config)
+    if not _eager(input_mixes, scale, base):  # (the Function flattens the leading dims itself: one autograd node)
+        return differentiable(input_mixes, scale, base, *args, config, bwd_config)
+    flat = input_mixes.reshape(-1, w).contiguous()
+    pre, post, comb = torch_ops.mhc_pre_split_mixes_impl(flat, scale, base, *args, encode_config(config))
     lead, m = input_mixes.shape[:-1], mhc_mult
     return pre.view(*lead, m, 1), post.view(*lead, m, 1), comb.view(*lead, m, m)
 
