@@ -6,13 +6,15 @@ The maths, the scale layout and why the kernel sees x as (token_blocks, num_per_
 also takes 32) and its torch reference `cast(x, 'e4m3', block_size=(num_per_tokens, 1))`; bit-exact
 for finite inputs.
 
-Layout (one thread block per token block x block_ch channels, block_ch = vec * ch_threads):
+Layout, stage="regs" (one thread block per token block x block_ch channels, block_ch = vec * ch_threads):
   thread t owns `vec` consecutive channels (tc = t % ch_threads) of the tokens tr, tr + tok_threads, ...
   (tr = t // ch_threads, tok_threads = threads / ch_threads): neighbouring lanes load neighbouring
   16-byte vectors, so a warp reads whole lines. x stays in registers from load to cast (read once from
   DRAM). Each thread's per-channel max goes to shared memory, one barrier, and every thread then folds
   the tok_threads partial maxima of its own channels (a few vector reads of shared memory), so no second
   barrier and no broadcast step are needed; the tr == 0 threads store the scales.
+stage="smem" (the default; TileKernels' layout, see the comment above SPACE): the same block and reduction,
+but a thread's rows are consecutive and each vector passes through a shared tile instead of staying in registers.
 The grid is 1-D over (token block, channel tile), channel tiles of one token block consecutive.
 A channel tile past hidden (hidden % block_ch != 0) checks each vector (hidden is a multiple of 16, so a
 vector is wholly inside or outside); the check is generated only for such shapes.
