@@ -55,8 +55,11 @@ def test_defaults_valid(name, in_dtype, npt, hidden):
     full = spec.canonical_shape(_shape(hidden=hidden, num_per_tokens=npt, in_dtype=in_dtype))
     cfg = spec.default_config(full, "sm_90a")
     assert spec.check_config(full, cfg, "sm_90a") == cfg
-    if name == CAST:  # 16-byte loads by default
-        assert cfg["vec"] * (2 if in_dtype == "bfloat16" else 4) == 16
+    if name == CAST:  # TileKernels' staged tile (4 channels a thread) where it fits, else 16-byte register tiles
+        if cfg["stage"] == "smem":
+            assert cfg["vec"] == 4 and cfg["threads"] == 256
+        else:
+            assert hidden <= 32 and cfg["vec"] * (2 if in_dtype == "bfloat16" else 4) == 16
     else:
         assert cfg["vec_bytes"] == 16 and cfg["block_tokens"] % npt == 0
 
@@ -64,7 +67,8 @@ def test_defaults_valid(name, in_dtype, npt, hidden):
 def test_default_heuristics():
     cast, tr = get_spec(CAST), get_spec(TRANSPOSE)
     full = cast.canonical_shape(_shape(hidden=7168))
-    assert cast.default_config(full) == {"vec": 8, "ch_threads": 32, "threads": 256}
+    # TileKernels' design: 128 tokens x 128 channels, 256 threads, 4 channels a thread, x staged in shared memory
+    assert cast.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem"}
     full = tr.canonical_shape(_shape(hidden=7168))
     assert tr.default_config(full) == {"block_tokens": 128, "block_ch": 128, "threads": 256, "vec_bytes": 16,
                                        "out_vec": 16, "swizzle": True}
@@ -92,12 +96,21 @@ def test_bad_configs():
     cast, tr = get_spec(CAST), get_spec(TRANSPOSE)
     full = cast.canonical_shape(_shape(in_dtype="float32"))
     with pytest.raises(ConfigError, match="at most 32 bytes"):
-        cast.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256})
+        cast.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs"})
     with pytest.raises(ConfigError, match="spill"):
-        cast.check_config(cast.canonical_shape(_shape(hidden=7168)), {"vec": 16, "ch_threads": 32, "threads": 128})
+        cast.check_config(cast.canonical_shape(_shape(hidden=7168)), {"vec": 16, "ch_threads": 32, "threads": 128,
+                                                                      "stage": "regs"})
     with pytest.raises(ConfigError, match="do not divide num_per_tokens"):
         cast.check_config(cast.canonical_shape(_shape(num_per_tokens=32)), {"vec": 4, "ch_threads": 4,
-                                                                             "threads": 512})
+                                                                             "threads": 512, "stage": "regs"})
+    with pytest.raises(ConfigError, match="missing"):
+        cast.check_config(full, {"vec": 4, "ch_threads": 32, "threads": 256})
+    # The staged tile: a warp's lanes along one row fill whole 128-byte wavefronts; two blocks an SM at least.
+    wide = cast.canonical_shape(_shape(hidden=7168))
+    with pytest.raises(ConfigError, match="bank conflicts"):
+        cast.check_config(wide, {"vec": 4, "ch_threads": 8, "threads": 256, "stage": "smem"})
+    with pytest.raises(ConfigError, match="shared memory"):
+        cast.check_config(wide, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "smem"})
     with pytest.raises(ConfigError, match="CUDA targets only"):
         cast.check_config(full, cast.default_config(full), "cpu")
     full = tr.canonical_shape(_shape(hidden=7168))
@@ -408,7 +421,9 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented(name):
 @pytest.mark.parametrize("name, shape, config", [
     (CAST, {"hidden": 7168}, None),  # the DeepSeek default: bf16, 128 tokens per scale
     (CAST, {"hidden": 576, "num_per_tokens": 32, "in_dtype": "float32", "round_scale": True}, None),
-    (CAST, {"hidden": 208}, {"vec": 8, "ch_threads": 8, "threads": 128}),  # channel tail (208 % 64)
+    (CAST, {"hidden": 208}, {"vec": 8, "ch_threads": 8, "threads": 128, "stage": "regs"}),  # channel tail (208 % 64)
+    (CAST, {"hidden": 208}, None),  # the staged tile with a channel tail (208 % 128)
+    (CAST, {"hidden": 2048, "in_dtype": "float32"}, {"vec": 8, "ch_threads": 16, "threads": 512, "stage": "smem"}),
     (TRANSPOSE, {"hidden": 7168}, None),
     (TRANSPOSE, {"hidden": 576, "num_per_tokens": 32, "round_scale": True}, None),  # channel tail, 4 blocks a tile
     (TRANSPOSE, {"hidden": 2048, "in_dtype": "float32"}, {"block_tokens": 128, "block_ch": 32, "threads": 128,
@@ -421,6 +436,8 @@ def test_compiles_for_sm90a(cache_dir, name, shape, config):
     assert "int64_t" in src  # 64-bit offsets: x passes 2^31 elements at large token counts
     if shape.get("round_scale"):
         assert "8388607" in src or "0x7fffff" in src.lower()
+    if name == CAST:  # the staged tile goes through shared memory, the register tile only reduces there
+        assert ("void* tile = " in src) == (k.config["stage"] == "smem")
     if name == TRANSPOSE:
         lanes = shape.get("num_per_tokens", 128) // k.config["out_vec"]
         assert ("__shfl_xor_sync" in src) == (lanes > 1)
