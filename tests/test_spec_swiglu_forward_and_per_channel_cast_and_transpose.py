@@ -380,7 +380,8 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented():
     (TRANSPOSE, {"hidden": 2048, "use_clamp": True, "clamp_value": 7.0}, None),
     (TRANSPOSE, {"hidden": 576, "num_per_tokens": 32, "round_scale": True, "in_dtype": "float32"}, None),
     (CAST, {"hidden": 2048}, None),
-    (CAST, {"hidden": 208, "use_clamp": True, "clamp_value": 6.9}, {"vec": 8, "ch_threads": 8, "threads": 128}),
+    (CAST, {"hidden": 208, "use_clamp": True, "clamp_value": 6.9},
+     {"vec": 8, "ch_threads": 8, "threads": 128, "stage": "regs"}),
 ])
 def test_compiles_for_sm90a(cache_dir, name, shape, config):
     k = tkjit.get(name, {"token_blocks": 33, **shape}, arch="sm_90a", config=config)
