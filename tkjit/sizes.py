@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 
 from tkjit.errors import ConfigError, brief
 
@@ -30,7 +29,10 @@ def parse_size(text: str) -> int:
     if m is None:
         raise ConfigError(f"cannot read size {brief(text)} ({EXAMPLES})")
     number, exponent, unit = m.groups()
-    # Decimal is exact: no float rounding of 1.5G, no overflow to inf on 1e400.
+    # Decimal is exact: no float rounding of 1.5G, no overflow to inf on 1e400. (Imported here: a millisecond
+    # of every process's `import tkjit` otherwise, for a cache-size setting read once.)
+    from decimal import Decimal
+
     value = Decimal(number).scaleb(int(exponent or 0)) * _UNITS[unit]
     if value > MAX_SIZE:
         raise ConfigError(f"size {brief(text)} is too large (at most {MAX_SIZE} bytes)")
