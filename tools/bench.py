@@ -9,6 +9,9 @@
 
 Median of CUDA-event timings, L2 flushed before each run, fresh random inputs, warm-up excluded;
 the copy ceiling is measured in the same run. Prints one table and writes JSON.
+
+--isolate runs each kernel in a process of its own (each under --kernel-timeout seconds): a kernel that
+faults (an illegal address poisons the CUDA context) or hangs then costs its own rows only.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +81,30 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
     return rows
 
 
+def bench_isolated(names: list[str], args: argparse.Namespace, ceiling: float) -> list[dict]:
+    """Each kernel's rows from a child process of this tool (same options, the parent's copy ceiling)."""
+    rows: list[dict] = []
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--kernels", name, "--json", out, "--reps",
+                   str(args.reps), "--ceiling", str(ceiling), *(["--no-compile"] if args.no_compile else []),
+                   *(["--shape", *args.shape] if args.shape else [])]
+            try:
+                done = subprocess.run(cmd, timeout=args.kernel_timeout, capture_output=True, text=True)
+                last = (done.stderr.strip().splitlines() or [""])[-1]  # (a traceback's last line: the error)
+                why = None if os.path.exists(out) else f"exit {done.returncode}: {last}"
+            except subprocess.TimeoutExpired:
+                why = f"timed out after {args.kernel_timeout} s"
+            if why is None:
+                with open(out) as f:
+                    rows += json.load(f)["rows"]
+            else:
+                rows.append(_row(name, "-", "-", None, None, 0, ceiling, f"failed: {why}"))
+                print(f"{name}: {why}", file=sys.stderr)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     header = ["kernel", "shape", "impl", "us", "GB/s", "% ceiling", "spread", "note"]
     body = [
@@ -101,6 +130,9 @@ def main() -> int:
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="no run: print the table (and --plot the chart) of a JSON this tool wrote")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
+    ap.add_argument("--isolate", action="store_true", help="each kernel in a process of its own (see above)")
+    ap.add_argument("--kernel-timeout", type=float, default=300.0, help="seconds a kernel may take with --isolate")
+    ap.add_argument("--ceiling", type=float, default=None, help=argparse.SUPPRESS)  # (--isolate's children)
     args = ap.parse_args()
     if args.from_json:
         from tkjit import plot
@@ -125,9 +157,9 @@ def main() -> int:
             shapes[names[0]] = [parse_shape(args.shape)]
         except ValueError as e:  # UsageError: said as argparse says its own
             ap.error(str(e))
-    ceiling = copy_ceiling_gbs()
-    rows = []
-    for name in names:
+    ceiling = args.ceiling or copy_ceiling_gbs()
+    rows = bench_isolated(names, args, ceiling) if args.isolate else []
+    for name in [] if args.isolate else names:
         try:
             rows += bench_kernel(name, shapes[name], args.reps, ceiling, not args.no_compile)
         except Exception as e:  # the table so far is kept; a CUDA fault poisons the context: stop there
