@@ -98,10 +98,13 @@ def bench_isolated(names: list[str], args: argparse.Namespace, ceiling: float) -
                 why = f"timed out after {args.kernel_timeout} s"
             if why is None:
                 with open(out) as f:
-                    rows += json.load(f)["rows"]
+                    got = json.load(f)["rows"]
             else:
-                rows.append(_row(name, "-", "-", None, None, 0, ceiling, f"failed: {why}"))
+                got = [_row(name, "-", "-", None, None, 0, ceiling, f"failed: {why}")]
                 print(f"{name}: {why}", file=sys.stderr)
+        print_table(got)  # as each kernel ends: a run stopped from outside keeps what it measured in its log
+        sys.stdout.flush()
+        rows += got
     return rows
 
 

@@ -20,7 +20,8 @@
 #             # get_fused_mapping / top2_sum_gate benchmark (kernel plans for optional inputs, caller sizes)
 #   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #             # short, host cost, and the transpose / per_token_cast benchmark
-#   bench     # the benchmark table of $KERNELS (tools/bench.py; COMPILE=1 adds torch.compile)
+#   bench     # the benchmark table of $KERNELS (tools/bench.py --isolate: a process per kernel; COMPILE=1
+#             # adds torch.compile)
 #   profile   # where launch-bound calls spend their time ($KERNELS, default the routing counters),
 #             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py)
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
@@ -174,7 +175,7 @@ catalog)
   [ -f "$OUT/pretune.txt" ] && tail -n 30 "$OUT/pretune.txt"; [ -f "$OUT/bench.txt" ] && tail -n 40 "$OUT/bench.txt"
   ;;
 bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile)
-  timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
+  timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py --isolate $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     --kernels ${KERNELS//,/ } --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
   tail -n 80 "$OUT/bench.txt"
   ;;
@@ -188,7 +189,7 @@ tune)
     --time-budget "${TUNE_BUDGET:-8}" --json "$OUT/pretune.json" > "$OUT/pretune.txt" 2>&1
   echo "rc=$?" >> "$OUT/pretune.txt"; cp tkjit/tuning_db_data/sm_90a/NVIDIA_H200.json "$OUT/" 2>/dev/null
   BENCH=${BENCH:-$KERNELS}
-  timeout "${BENCH_TIMEOUT:-100}" python tools/bench.py $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
+  timeout "${BENCH_TIMEOUT:-100}" python tools/bench.py --isolate $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     --kernels ${BENCH//,/ } --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
   timeout 50 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
   timeout 30 python tools/bench_chain.py --graph > "$OUT/chain.txt" 2>&1
