@@ -454,14 +454,18 @@ def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
 
 
 class MhcPreNormFnFunction(torch.autograd.Function):
-    """Eager mhc_pre_norm_fn / mhc_pre_norm_fn_bwd on x (num_tokens, K) bf16, fn (M, K) float32 -> (num_tokens, M)."""
+    """Eager mhc_pre_norm_fn / mhc_pre_norm_fn_bwd on the residual (..., mhc_mult, hidden) bf16 (the kernels' x
+    (num_tokens, K), K = mhc_mult * hidden, inside), fn (M, K) float32 -> (..., M)."""
 
     @staticmethod
-    def forward(ctx, x, fn, norm_eps, fuse_grad_acc, config, bwd_config):
+    def forward(ctx, residual, fn, norm_eps, fuse_grad_acc, config, bwd_config):
+        # (a contiguous residual's own storage: fuse_grad_acc reads mhc_post's gradient off it)
+        x = residual.reshape(-1, residual.shape[-2] * residual.shape[-1]).contiguous()
         out, out_mul, sqrsum = torch_ops.mhc_pre_norm_fn_impl(x, fn, norm_eps, config)
         ctx.save_for_backward(x, fn, out_mul, sqrsum)
         ctx.args = (float(norm_eps), bool(fuse_grad_acc), bwd_config)
-        return out
+        ctx.shape = residual.shape
+        return out.view(*residual.shape[:-2], out.shape[-1])
 
     @staticmethod
     def backward(ctx, out_grad):
@@ -470,13 +474,14 @@ class MhcPreNormFnFunction(torch.autograd.Function):
         storage = x.untyped_storage()
         acc = pre_norm_fn_residual_grad(x) if fuse else None
         with torch.no_grad():
-            x_grad, fn_grad = torch_ops.mhc_pre_norm_fn_bwd_impl(out_grad.float().contiguous(), out_mul, sqrsum, x,
-                                                                fn, norm_eps, bwd_config, x_grad=acc)
+            x_grad, fn_grad = torch_ops.mhc_pre_norm_fn_bwd_impl(rows(out_grad.float(), 1).contiguous(), out_mul,
+                                                                sqrsum, x, fn, norm_eps, bwd_config, x_grad=acc)
         if acc is not None:
             del storage.grad_from_mhc_post
             x_grad = None
         deps = (out_grad, x, fn)
-        return _once("mhc_pre_norm_fn", x_grad, *deps), _once("mhc_pre_norm_fn", fn_grad, *deps), None, None, None, None
+        return (_once("mhc_pre_norm_fn", shaped(x_grad, ctx.shape), *deps), _once("mhc_pre_norm_fn", fn_grad, *deps),
+                None, None, None, None)
 
 
 def pre_norm_fn_residual_grad(x: torch.Tensor) -> torch.Tensor | None:
@@ -520,13 +525,15 @@ class FnNormwMergeFunction(torch.autograd.Function):
         return fn_grad, w_grad
 
 
-def mhc_pre_norm_fn_flat(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, fuse_grad_acc: bool = True,
-                         fwd_config=None, bwd_config=None) -> torch.Tensor:
-    """Differentiable mhc_pre_norm_fn on the kernel's x (num_tokens, K) bf16 and fn (M, K) float32."""
+def mhc_pre_norm_fn(residual: torch.Tensor, fn: torch.Tensor, norm_eps: float, fuse_grad_acc: bool = True,
+                    fwd_config=None, bwd_config=None) -> torch.Tensor:
+    """Differentiable mhc_pre_norm_fn on the residual (..., mhc_mult, hidden) bf16 and fn (M, mhc_mult * hidden)
+    float32 -> (..., M)."""
     args = (float(norm_eps), encode_config(fwd_config), encode_config(bwd_config))
-    if plain(x) and plain(fn):
-        return MhcPreNormFnFunction.apply(x, fn, args[0], bool(fuse_grad_acc), *args[1:])
-    return torch.ops.tkjit.mhc_pre_norm_fn.default(x, fn, *args)[0]
+    if plain(residual) and plain(fn):  # (the Function flattens the leading dims itself: one autograd node)
+        return MhcPreNormFnFunction.apply(residual, fn, args[0], bool(fuse_grad_acc), *args[1:])
+    x = residual.reshape(-1, fn.shape[-1]).contiguous()
+    return torch.ops.tkjit.mhc_pre_norm_fn.default(x, fn, *args)[0].view(*residual.shape[:-2], fn.shape[0])
 
 
 def fn_normw_merge(fn: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

@@ -923,16 +923,16 @@ def mhc_pre_norm_fn(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weigh
     given) -> (..., M) float32 = (x @ tf32(fn)^T) * rsqrt(mean(x**2) + mhc_norm_eps), x the token's flattened
     residual (TileKernels' mhc_pre_norm_fn). Differentiable in residual, mhc_fn and mhc_norm_weight (the gradient
     runs mhc_pre_norm_fn_bwd); fuse_grad_acc: the residual's gradient goes into mhc_post's (see autograd)."""
-    from tkjit.autograd import fn_normw_merge, mhc_pre_norm_fn_flat
+    from tkjit.autograd import fn_normw_merge
+    from tkjit.autograd import mhc_pre_norm_fn as differentiable
 
     m3, k = check_pre_norm_fn("mhc_pre_norm_fn", residual, mhc_fn, mhc_norm_weight)
-    x = residual.reshape(-1, k).contiguous()  # a contiguous residual's own storage (fuse_grad_acc reads it)
     fn = mhc_fn if mhc_norm_weight is None else fn_normw_merge(mhc_fn, mhc_norm_weight)
     fn = fn.contiguous()
-    if _eager(x, fn):
-        out = torch_ops.mhc_pre_norm_fn_impl(x, fn, float(mhc_norm_eps), encode_config(config))[0]
-    else:
-        out = mhc_pre_norm_fn_flat(x, fn, mhc_norm_eps, fuse_grad_acc, config, bwd_config)
+    if not _eager(residual, fn):  # (the Function flattens the leading dims itself: one autograd node)
+        return differentiable(residual, fn, mhc_norm_eps, fuse_grad_acc, config, bwd_config)
+    x = residual.reshape(-1, k).contiguous()
+    out = torch_ops.mhc_pre_norm_fn_impl(x, fn, float(mhc_norm_eps), encode_config(config))[0]
     return out.view(*residual.shape[:-2], m3)
 
 
