@@ -107,8 +107,8 @@ def sinkhorn(
 
 # -- expand_to_mhc / pre_apply_mix ---------------------------------------------------------------------
 # The eager pairs, as SinkhornFunction: the ops' implementations called directly (torch.compile and
-# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers). Shapes here are the
-# kernels' flat ones; tkjit.ops reshapes TileKernels' (..., mhc_mult, hidden) tensors to them.
+# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers). They take TileKernels'
+# (..., mhc_mult, hidden) tensors and flatten them to the kernels' rows themselves (see `rows` above).
 
 
 class _MhcOnce(torch.autograd.Function):
@@ -296,8 +296,8 @@ def mhc_post_args(op: str, x, residual, post_layer_mix, comb_res_mix):
 
 # -- mhc_head_compute_mix / mhc_pre_split_mixes ------------------------------------------------------
 # The eager pairs, as MhcPostFunction: the ops' implementations called directly (torch.compile and
-# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers), on the flattened float32
-# rows. The backward kernels recompute the sigmoids from the inputs, so only the inputs are saved.
+# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers), on float32 rows they
+# flatten themselves. The backward kernels recompute the sigmoids from the inputs, so only the inputs are saved.
 
 
 class MhcHeadComputeMixFunction(torch.autograd.Function):
@@ -388,8 +388,8 @@ def _engram_call(eager: bool, name: str, *args):
 
 
 class EngramGateFunction(torch.autograd.Function):
-    """Engram gate on the flattened tokens: hidden_states, k (num_tokens, hc_mult, hidden_size), v
-    (num_tokens, hidden_size), weight_hidden, weight_embed (hc_mult, hidden_size) bfloat16."""
+    """Engram gate: hidden_states, k (..., hc_mult, hidden_size), v (..., hidden_size), flattened to the kernels'
+    tokens inside, weight_hidden, weight_embed (hc_mult, hidden_size) bfloat16."""
 
     @staticmethod
     def forward(ctx, hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, num_partials):
