@@ -22,12 +22,14 @@ multiple of num_per_tokens; the scales' rows are `CeilDiv("num_tokens_out", "num
 Without a map, num_tokens_out must equal num_tokens (check_shape; the op passes it); the kernel still never
 reads a row past num_tokens.
 
-Layout: per_channel_cast's register tile (its docstring; the space, constraint and default are shared in
-`_per_channel.py`): one thread block per block of num_per_tokens output rows x block_ch channels, a thread
+Layout, stage="regs": per_channel_cast's register tile (its docstring; the space, constraints and default are
+shared in `_per_channel.py`): one thread block per block of num_per_tokens output rows x block_ch channels, a thread
 holding `vec` channels of num_per_tokens / tok_threads rows. Each thread reads the map entry of each of its rows
 (the ch_threads lanes of a row read the same word: one broadcast), loads the gathered row's vector (and, FP8,
 the row's scale: a vector never straddles a 128-channel group) or zeros, then the same one-barrier reduction
 and stores as per_channel_cast; rows past num_tokens_out are zeros in the maxima and are not stored.
+stage="smem" (the default; TileKernels' layout, see the comment above SPACE): a thread's rows are consecutive and
+each gathered vector passes through a shared tile (`_build_smem`).
 """
 
 import torch
