@@ -42,19 +42,36 @@ def test_spec_validates():
     assert tkjit_kernels.INDEX[NAME] == f"tkjit_kernels.quant.{NAME}"
     assert [p.name for p in spec.params] == ["num_tokens_out", "num_tokens", "hidden", "num_per_tokens", "in_dtype",
                                              "round_scale", "has_x_sf", "has_pos"]
-    # per_channel_cast's register tile (per_channel_cast also has TileKernels' shared-memory staged tile, stage="smem")
-    cast_space = get_spec("per_channel_cast").space
-    assert spec.space == {k: v for k, v in cast_space.items() if k != "stage"}
-    assert cast_space["stage"] == ("regs", "smem")
+    # per_channel_cast's space: the register tile and TileKernels' shared-memory staged tile (stage="smem")
+    assert spec.space == get_spec("per_channel_cast").space
+    assert spec.space["stage"] == ("regs", "smem")
 
 
 def test_default_heuristics():
     spec = get_spec(NAME)
+    # TileKernels' block: 256 threads, 32 along a row with 8-byte vectors (128 channels of bf16, 256 of FP8)
     full = spec.canonical_shape(_shape(hidden=7168, has_pos=True, num_tokens_out=4096))
-    assert spec.default_config(full) == {"vec": 8, "ch_threads": 32, "threads": 256}
+    assert spec.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem"}
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True, has_pos=True))
-    assert spec.default_config(full) == {"vec": 16, "ch_threads": 32, "threads": 512}  # 16-byte FP8 loads
+    assert spec.default_config(full) == {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem"}
     assert len(spec.configs(full)) > 20
+    assert {c["stage"] for c in spec.configs(full)} == {"regs", "smem"}
+    # the register tile's default where no staged tile fits: 16 channels of float32 x 32 rows per scale
+    full = spec.canonical_shape(_shape(hidden=16, num_per_tokens=32, in_dtype="float32"))
+    assert spec.default_config(full)["stage"] == "regs"
+
+
+def test_smem_constraint():
+    spec = get_spec(NAME)
+    full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True, has_pos=True))
+    smem = {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem"}
+    assert spec.constraint(full, smem) is None
+    # FP8: 4-byte vectors x 32 lanes fill a 128-byte wavefront, 4 x 16 lanes do not
+    assert spec.constraint(full, {**smem, "vec": 4}) is None
+    assert "bank conflicts" in spec.constraint(full, {**smem, "vec": 4, "ch_threads": 16})
+    assert "shared memory" in spec.constraint(full, {"vec": 16, "ch_threads": 64, "threads": 512, "stage": "smem"})
+    bf16 = spec.canonical_shape(_shape(hidden=7168, has_pos=True))
+    assert spec.constraint(bf16, {"vec": 8, "ch_threads": 16, "threads": 128, "stage": "smem"}) is None
 
 
 @pytest.mark.parametrize("in_dtype", ["bfloat16", "float32", FP8])
@@ -69,7 +86,11 @@ def test_defaults_valid(in_dtype, npt, hidden, has_pos):
                                        has_x_sf=in_dtype == FP8, has_pos=has_pos))
     cfg = spec.default_config(full, "sm_90a")
     assert spec.check_config(full, cfg, "sm_90a") == cfg
-    assert cfg["vec"] * {"bfloat16": 2, "float32": 4, FP8: 1}[in_dtype] == 16  # 16-byte loads by default
+    nbytes = cfg["vec"] * {"bfloat16": 2, "float32": 4, FP8: 1}[in_dtype]
+    if cfg["stage"] == "smem":  # TileKernels' 8-byte vectors (float32: the space's narrowest, 16 bytes)
+        assert nbytes == max(8, 4 * {"bfloat16": 2, "float32": 4, FP8: 1}[in_dtype])
+    else:
+        assert nbytes == 16
 
 
 def test_bad_shapes():
@@ -95,7 +116,9 @@ def test_bad_configs():
     spec = get_spec(NAME)
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True))
     with pytest.raises(ConfigError, match="spill"):  # 16 rows of 16 FP8 channels a thread
-        spec.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256})
+        spec.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs"})
+    with pytest.raises(ConfigError, match="bank conflicts"):
+        spec.check_config(full, {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem"})
     with pytest.raises(ConfigError, match="CUDA targets only"):
         spec.check_config(full, spec.default_config(full), "cpu")
 
@@ -397,7 +420,12 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented():
     ({"hidden": 7168, "in_dtype": FP8, "has_x_sf": True, "has_pos": True, "round_scale": True}, None),
     ({"hidden": 4096, "in_dtype": FP8, "has_x_sf": True}, None),  # no map: num_tokens_out == num_tokens
     ({"hidden": 576, "num_per_tokens": 32, "in_dtype": "float32", "has_pos": True},
-     {"vec": 4, "ch_threads": 32, "threads": 128}),  # a channel tail (576 % 128)
+     {"vec": 4, "ch_threads": 32, "threads": 128, "stage": "regs"}),  # a channel tail (576 % 128)
+    # the staged tile with a channel tail: FP8 with a map (640 % 256), bf16 (576 % 128)
+    ({"hidden": 640, "in_dtype": FP8, "has_x_sf": True, "has_pos": True},
+     {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem"}),
+    ({"hidden": 576, "num_per_tokens": 32, "has_pos": True}, {"vec": 4, "ch_threads": 32, "threads": 256,
+                                                              "stage": "smem"}),
 ])
 def test_compiles_for_sm90a(cache_dir, shape, config):
     n = 4096
@@ -408,6 +436,9 @@ def test_compiles_for_sm90a(cache_dir, shape, config):
     assert ("pos_to_token[" in src) == shape.get("has_pos", False)
     assert ("x_sf[" in src) == shape.get("has_x_sf", False)
     if shape.get("in_dtype") == FP8:
-        assert "fp8_e4_16_t*)(x +" in src  # 16-byte FP8 loads of x
+        vec = (config or k.config)["vec"]
+        assert f"fp8_e4_{vec}_t*)(x +" in src  # whole-vector FP8 loads of x
+    if (config or k.config)["stage"] == "smem":
+        assert "__launch_bounds__(256, 1)" in src and "buf_dyn_shmem" in src  # the tile and the maxima
     if shape.get("round_scale"):
         assert "8388607" in src or "0x7fffff" in src.lower()

@@ -205,9 +205,10 @@ def tile_constraint(shape, c, row_regs: int = 0) -> str | None:
     return None
 
 
-def valid_tiles(shape, constraint) -> list[dict]:
-    keys = list(TILE_SPACE)
-    combos = (dict(zip(keys, vals)) for vals in itertools.product(*TILE_SPACE.values()))
+def valid_tiles(shape, constraint, space: dict | None = None) -> list[dict]:
+    space = TILE_SPACE if space is None else space
+    keys = list(space)
+    combos = (dict(zip(keys, vals)) for vals in itertools.product(*space.values()))
     return [c for c in combos if constraint(shape, c) is None]
 
 
@@ -226,6 +227,57 @@ def tile_default(shape, constraint) -> dict:
             return cfg
     return min(valid_tiles(shape, constraint),
                key=lambda c: (c["vec"] != vec, -c["vec"] * c["ch_threads"], c["threads"]))
+
+
+# -- the shared-memory staged tile (stage="smem") of per_channel_cast and per_channel_cast_fused ----------------
+# TileKernels' layout (per_channel_cast.py says why it is the default): the register tile's block, threads and
+# reduction, but a thread's token rows are consecutive and each vector passes through a shared tile (in_dtype,
+# num_per_tokens x block_ch) instead of staying in registers, so a thread holds one vector and many blocks fit
+# an SM. The builders are the specs' own (per_channel_cast's _build_smem; per_channel_cast_fused's gathers).
+
+STAGES = ("regs", "smem")
+STAGED_SPACE = {**TILE_SPACE, "stage": STAGES}
+SMEM_MAX = 96 * 1024  # shared bytes a block: two blocks an SM at least
+BANK_BYTES = 128  # a shared-memory wavefront: 32 banks x 4 bytes
+
+
+def smem_constraint(shape, c) -> str | None:
+    """Why config c cannot run stage="smem", else None."""
+    npt, h, eb = shape["num_per_tokens"], shape["hidden"], elem_bytes(shape)
+    vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
+    if vec * eb > 32:
+        return "a thread's vector is at most 32 bytes (two 16-byte loads)"
+    if cht > threads:
+        return "ch_threads cannot exceed threads"
+    tok_threads = threads // cht
+    if npt % tok_threads:
+        return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
+    # A warp's lanes along one row must fill whole 128-byte wavefronts (16-byte accesses are served a quarter
+    # warp at a time, narrower ones half a warp): lanes of different rows would hit the same banks.
+    if min(cht, 32) * min(vec * eb, 16) < BANK_BYTES:
+        return f"{cht} threads x {vec * eb} bytes along a row leave shared-memory bank conflicts (< 128 bytes)"
+    shared = npt * vec * cht * eb + tok_threads * vec * cht * 4
+    if shared > SMEM_MAX:
+        return f"{shared} bytes of shared memory a block (max {SMEM_MAX})"
+    if vec * cht >= 2 * h and cht > TILE_SPACE["ch_threads"][0]:
+        return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h} (fewer ch_threads)"
+    return None
+
+
+def staged_default(shape, constraint, regs_constraint) -> dict:
+    """TileKernels' block: 8-byte vectors (4 channels of bf16, 8 of FP8; 16 bytes of float32: the space's
+    narrowest vector), 32 threads along a row, 256 threads; narrow hidden: fewer threads along the channels;
+    where no staged tile fits (very narrow hidden), the register tile's default (regs_constraint: its
+    constraint)."""
+    vec = max(TILE_SPACE["vec"][0], 8 // elem_bytes(shape))
+    cht = 32
+    while vec * cht >= 2 * shape["hidden"] and cht > 4:
+        cht //= 2
+    for threads in (256, 512, 128):
+        cfg = {"vec": vec, "ch_threads": cht, "threads": threads, "stage": "smem"}
+        if constraint(shape, cfg) is None:
+            return cfg
+    return {**tile_default(shape, regs_constraint), "stage": "regs"}
 
 
 # -- a producer fused before the cast ---------------------------------------------------------------------

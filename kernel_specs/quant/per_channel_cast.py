@@ -20,21 +20,20 @@ A channel tile past hidden (hidden % block_ch != 0) checks each vector (hidden i
 vector is wholly inside or outside); the check is generated only for such shapes.
 """
 
-import itertools
-
 from tkjit.registry import register
 from tkjit.spec import KernelSpec, TensorArg
 from tkjit_kernels.quant._per_channel import (
     COMMON,
     SCALES,
-    TILE_SPACE,
+    STAGED_SPACE,
     Prologue,
     check_hidden,
-    elem_bytes,
     reference_blocks,
     scale_blocks,
+    smem_constraint,
+    staged_default,
     tile_constraint,
-    tile_default,
+    valid_tiles,
 )
 
 # -- why the space has two ways of staging x ---------------------------------------------------------------
@@ -59,33 +58,7 @@ from tkjit_kernels.quant._per_channel import (
 # registers, 5 blocks an SM at 256 threads). {vec 4, ch_threads 32, threads 256, "smem"} is TileKernels'
 # design and the default; the register tile stays in the space (stage="regs") for the tuner (at 4096 x 2048
 # it beat TileKernels: 14.8 vs 17.7 us).
-STAGES = ("regs", "smem")
-SPACE = {**TILE_SPACE, "stage": STAGES}
-SMEM_MAX = 96 * 1024  # shared bytes a block: two blocks an SM at least
-BANK_BYTES = 128  # a shared-memory wavefront: 32 banks x 4 bytes
-
-
-def smem_constraint(shape, c) -> str | None:
-    """Why config c cannot run stage="smem", else None."""
-    npt, h, eb = shape["num_per_tokens"], shape["hidden"], elem_bytes(shape)
-    vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    if vec * eb > 32:
-        return "a thread's vector is at most 32 bytes (two 16-byte loads)"
-    if cht > threads:
-        return "ch_threads cannot exceed threads"
-    tok_threads = threads // cht
-    if npt % tok_threads:
-        return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
-    # A warp's lanes along one row must fill whole 128-byte wavefronts (16-byte accesses are served a quarter
-    # warp at a time, narrower ones half a warp): lanes of different rows would hit the same banks.
-    if min(cht, 32) * min(vec * eb, 16) < BANK_BYTES:
-        return f"{cht} threads x {vec * eb} bytes along a row leave shared-memory bank conflicts (< 128 bytes)"
-    shared = npt * vec * cht * eb + tok_threads * vec * cht * 4
-    if shared > SMEM_MAX:
-        return f"{shared} bytes of shared memory a block (max {SMEM_MAX})"
-    if vec * cht >= 2 * h and cht > TILE_SPACE["ch_threads"][0]:
-        return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h} (fewer ch_threads)"
-    return None
+SPACE = STAGED_SPACE
 
 
 def constraint(shape, c):
@@ -95,9 +68,7 @@ def constraint(shape, c):
 
 
 def _valid(shape):
-    keys = list(SPACE)
-    combos = (dict(zip(keys, vals)) for vals in itertools.product(*SPACE.values()))
-    return [c for c in combos if constraint(shape, c) is None]
+    return valid_tiles(shape, constraint, SPACE)
 
 
 def check_shape(shape):
@@ -105,17 +76,9 @@ def check_shape(shape):
 
 
 def default(shape):
-    """TileKernels' block (its design, see above): 4 channels a thread, 32 threads along a row, 256 threads;
-    narrow hidden: fewer threads along the channels; where no staged tile fits (very narrow hidden), the
-    register tile's default."""
-    cht = 32
-    while 4 * cht >= 2 * shape["hidden"] and cht > 4:
-        cht //= 2
-    for threads in (256, 512, 128):
-        cfg = {"vec": 4, "ch_threads": cht, "threads": threads, "stage": "smem"}
-        if constraint(shape, cfg) is None:
-            return cfg
-    return {**tile_default(shape, tile_constraint), "stage": "regs"}
+    """TileKernels' block (its design, see above; `_per_channel.staged_default`): 4 channels a thread, 32
+    threads along a row, 256 threads; the register tile's default where no staged tile fits."""
+    return staged_default(shape, constraint, tile_constraint)
 
 
 def build(shape, c, prologue: Prologue | None = None):

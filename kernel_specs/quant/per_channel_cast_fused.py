@@ -22,12 +22,14 @@ multiple of num_per_tokens; the scales' rows are `CeilDiv("num_tokens_out", "num
 Without a map, num_tokens_out must equal num_tokens (check_shape; the op passes it); the kernel still never
 reads a row past num_tokens.
 
-Layout: per_channel_cast's register tile (its docstring; the space, constraint and default are shared in
-`_per_channel.py`): one thread block per block of num_per_tokens output rows x block_ch channels, a thread
+Layout, stage="regs": per_channel_cast's register tile (its docstring; the space, constraints and default are
+shared in `_per_channel.py`): one thread block per block of num_per_tokens output rows x block_ch channels, a thread
 holding `vec` channels of num_per_tokens / tok_threads rows. Each thread reads the map entry of each of its rows
 (the ch_threads lanes of a row read the same word: one broadcast), loads the gathered row's vector (and, FP8,
 the row's scale: a vector never straddles a 128-channel group) or zeros, then the same one-barrier reduction
 and stores as per_channel_cast; rows past num_tokens_out are zeros in the maxima and are not stored.
+stage="smem" (the default; TileKernels' layout, see the comment above SPACE): a thread's rows are consecutive and
+each gathered vector passes through a shared tile (`_build_smem`).
 """
 
 import torch
@@ -37,7 +39,7 @@ from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Toleranc
 from tkjit_kernels.quant._per_channel import (
     FP8_IN,
     IN_BYTES,
-    TILE_SPACE,
+    STAGED_SPACE,
     TOKENS_PER_SCALE,
     arch_constraint,
     check_hidden,
@@ -45,14 +47,23 @@ from tkjit_kernels.quant._per_channel import (
     pass_configs,
     reference_blocks,
     scale_blocks,
+    smem_constraint,
+    staged_default,
     tile_constraint,
-    tile_default,
     valid_tiles,
 )
 
 SF_GROUP = 128  # channels per input scale (TileKernels' num_per_channels: 128 only)
 
-SPACE = TILE_SPACE
+# -- why the space has two ways of staging x (per_channel_cast.py's comment above its SPACE has the story) ------
+# The register tile alone had per_channel_cast's one-block-an-SM problem here too (ptxas, sm_90a, TileKernels'
+# benchmark shapes): its default {vec 8, ch_threads 32, threads 256} on bf16 holds `bfloat16_t xs[128]` and
+# `int64_t src[16]` under `__launch_bounds__(256, 1)`: 162-168 registers, one block (8 warps) an SM; FP8 input
+# {vec 16, ch_threads 32, threads 512}: 108-110 registers, one block (16 warps). So the space has stage="smem",
+# TileKernels' own layout for this op (quant/per_channel_cast_fused_kernel.py: 128 rows x 128 channels of
+# bf16, 256 of FP8, 256 threads, 32 along a row with 8-byte vectors, 16 consecutive rows a thread through a
+# shared tile; the FP8 row scales stay in registers), the default where it fits.
+SPACE = STAGED_SPACE
 
 
 def _one(value: int) -> int:
@@ -73,12 +84,19 @@ PARAMS = (
 
 
 def constraint(shape, c):
+    if c.get("stage", "regs") == "smem":
+        # (a thread keeps one register a row beside its vector, the FP8 row's scale: at most 64 at 128 threads)
+        return smem_constraint(shape, c)
     # Registers kept per token row beside its values: the gathered row index, the FP8 row's scale.
     return tile_constraint(shape, c, row_regs=2 * shape["has_pos"] + shape["has_x_sf"])
 
 
+def _regs_constraint(shape, c):
+    return constraint(shape, {**c, "stage": "regs"})
+
+
 def _valid(shape):
-    return valid_tiles(shape, constraint)
+    return valid_tiles(shape, constraint, SPACE)
 
 
 def check_shape(shape):
@@ -98,12 +116,16 @@ def check_shape(shape):
 
 
 def default(shape):
-    return tile_default(shape, constraint)
+    """TileKernels' block (`_per_channel.staged_default`): 8-byte vectors (4 channels of bf16, 8 of FP8), 32
+    threads along a row, 256 threads, stage="smem"; the register tile's default where no staged tile fits."""
+    return staged_default(shape, constraint, _regs_constraint)
 
 
 def build(shape, c):
     from tilelang import language as T
 
+    if c.get("stage", "regs") == "smem":
+        return _build_smem(shape, c)
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
     has_sf, has_pos = shape["has_x_sf"], shape["has_pos"]
     vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
@@ -203,6 +225,124 @@ def build(shape, c):
                     store(out, scales, xs, rs, sf, inv, b, row0, tr, col)
             else:
                 store(out, scales, xs, rs, sf, inv, b, row0, tr, col)
+
+    # The variant's parameters: an absent optional input is left out of the PrimFunc's signature.
+    for name, present in (("x_sf", has_sf), ("pos_to_token", has_pos)):
+        if not present:
+            del per_channel_cast_fused.__annotations__[name]
+    return T.prim_func(per_channel_cast_fused)
+
+
+def _build_smem(shape, c):
+    """stage="smem": TileKernels' layout. A thread's tpt output rows are consecutive (rows b * npt + tr * tpt ..);
+    for each it resolves the source row (the map entry; -1 or past num_tokens: zeros), loads the vector (and, FP8,
+    the row's scale, kept for the stores) into one register vector, writes it to the block's shared tile (only
+    the thread itself reads it back) and folds it into the running max. The reduction, the scales, the values
+    (FP8: value x row scale, then x the factor) and the tail checks are the register tile's."""
+    from tilelang import language as T
+
+    H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
+    has_sf, has_pos = shape["has_x_sf"], shape["has_pos"]
+    vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
+    tok_threads = threads // cht
+    tpt = npt // tok_threads  # rows per thread
+    block_ch = vec * cht
+    ch_tiles = -(-H // block_ch)
+    ch_tail = H % block_ch != 0
+    num_tokens = T.dynamic("num_tokens")
+    num_tokens_out = T.dynamic("num_tokens_out")
+    f32, fp8 = T.float32, T.float8_e4m3fn
+    scale_and_inv, quantise = scale_blocks(shape["round_scale"])
+
+    def value(xv, rs, j, v):
+        """The float32 value of element v of row j's vector: x, or FP8 x times its row's scale."""
+        if has_sf:
+            return T.cast(xv[v], f32) * rs[j]
+        return T.cast(xv[v], f32)
+
+    @T.macro
+    def stage(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col):
+        for j in T.unroll(tpt):
+            src[0] = T.int64(-1)  # the x row read for output row r0 + j; -1: a zero row
+            if r0 + j < T.cast(num_tokens_out, "int64"):
+                if has_pos:
+                    src[0] = T.cast(pos_to_token[r0 + j], "int64")
+                else:
+                    src[0] = r0 + j
+                if src[0] >= T.cast(num_tokens, "int64"):  # (negative map entries stay negative)
+                    src[0] = T.int64(-1)
+            if src[0] >= 0:
+                for v in T.vectorized(vec):
+                    xv[v] = x[src[0], col + v]
+                if has_sf:
+                    rs[j] = x_sf[src[0], col // SF_GROUP]
+            else:
+                for v in T.vectorized(vec):
+                    xv[v] = T.cast(0, in_dtype)
+                if has_sf:
+                    rs[j] = T.float32(0)
+            for v in T.vectorized(vec):
+                tile[row0 + j, cc + v] = xv[v]
+            for v in T.unroll(vec):
+                amax[v] = T.max(amax[v], T.abs(value(xv, rs, j, v)))
+
+    @T.macro
+    def store(out, scales, tile, xv, rs, sf, inv, b, tr, r0, row0, cc, col):
+        if tr == 0:
+            for v in T.vectorized(vec):
+                scales[b, col + v] = sf[v]
+        for j in T.unroll(tpt):
+            if r0 + j < T.cast(num_tokens_out, "int64"):
+                for v in T.vectorized(vec):
+                    xv[v] = tile[row0 + j, cc + v]
+                for v in T.vectorized(vec):
+                    out[r0 + j, col + v] = quantise(value(xv, rs, j, v), inv[v])
+
+    def per_channel_cast_fused(
+        x: T.Tensor[(num_tokens, H), in_dtype],
+        x_sf: T.Tensor[(num_tokens, H // SF_GROUP), f32] = None,
+        pos_to_token: T.Tensor[(num_tokens_out,), T.int32] = None,
+        out: T.Tensor[(num_tokens_out, H), fp8] = None,
+        scales: T.Tensor[(T.ceildiv(num_tokens_out, npt), H), f32] = None,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens_out, npt) * ch_tiles, threads=threads) as bid:
+            tx = T.get_thread_binding()
+            tile = T.alloc_shared((npt, block_ch), in_dtype)
+            red = T.alloc_shared((tok_threads, block_ch), f32)
+            xv = T.alloc_local((vec,), in_dtype)
+            rs = T.alloc_local((tpt,), f32)
+            src = T.alloc_local((1,), "int64")
+            amax = T.alloc_local((vec,), f32)
+            sf = T.alloc_local((vec,), f32)
+            inv = T.alloc_local((vec,), f32)
+            b = T.cast(bid // ch_tiles, "int64")  # int64: row offsets pass 2^31 elements for large x
+            tc = tx % cht
+            tr = tx // cht
+            row0 = tr * tpt
+            r0 = b * npt + row0  # the thread's first output row
+            cc = tc * vec
+            col = (bid % ch_tiles) * block_ch + cc
+            for v in T.unroll(vec):
+                amax[v] = T.float32(0)
+            if ch_tail:
+                if col < H:  # a vector past hidden adds nothing to the maxima and is not stored
+                    stage(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col)
+            else:
+                stage(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col)
+            for v in T.vectorized(vec):
+                red[tr, cc + v] = amax[v]
+            T.sync_threads()
+            # Every thread folds the partial maxima of its own channels: one barrier, no broadcast.
+            for r in T.unroll(tok_threads):
+                for v in T.unroll(vec):
+                    amax[v] = T.max(amax[v], red[r, cc + v])
+            for v in T.unroll(vec):
+                scale_and_inv(amax, sf, inv, v)
+            if ch_tail:
+                if col < H:
+                    store(out, scales, tile, xv, rs, sf, inv, b, tr, r0, row0, cc, col)
+            else:
+                store(out, scales, tile, xv, rs, sf, inv, b, tr, r0, row0, cc, col)
 
     # The variant's parameters: an absent optional input is left out of the PrimFunc's signature.
     for name, present in (("x_sf", has_sf), ("pos_to_token", has_pos)):
