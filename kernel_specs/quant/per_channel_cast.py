@@ -55,8 +55,8 @@ from tkjit_kernels.quant._per_channel import (
 # So the space has stage="smem": that layout (TileKernels' block, threads, rows and vectors), with this
 # spec's one-barrier reduction (every thread folds its own channels' partial maxima) and the loads of a
 # thread unrolled (16 in flight a thread where TileKernels' serial loop may wait on each; ptxas: 51
-# registers, 56 allocated, so 4 blocks of 256 threads an SM). {vec 4, ch_threads 32, threads 256, "smem"} is TileKernels'
-# design and the default; the register tile stays in the space (stage="regs") for the tuner (at 4096 x 2048
+# registers, 56 allocated, so 4 blocks of 256 threads an SM). {vec 4, ch_threads 32, threads 256, "smem"} is
+# TileKernels' design and the default; the register tile stays in the space (stage="regs") for the tuner (at 4096 x 2048
 # it beat TileKernels: 14.8 vs 17.7 us).
 SPACE = STAGED_SPACE
 
