@@ -596,8 +596,9 @@ def _fused_buffers(n: int, k: int, e: int, nexp: int, dev, pooled: bool) -> tupl
     not share storage) one allocation per output, the workspace in pos_to_expert's, past its rows."""
     sizes = _fused_sizes(n, k, e, nexp, pooled)
     if pooled:
-        parts = torch.empty(sizes[-1], dtype=torch.int32, device=dev).split_with_sizes(sizes[:-1])
-        ws, p2e, p2t, p2tk, ttp, start, end, count = parts[0:16:2]
+        total, pieces, at = sizes
+        parts = torch.empty(total, dtype=torch.int32, device=dev).split_with_sizes(pieces)
+        ws, p2e, p2t, p2tk, ttp, start, end, count = [parts[i] for i in at]
     else:
         i32 = torch.int32
         p2e, _, ws = torch.empty(sizes[0], dtype=i32, device=dev).split_with_sizes(sizes[1])
@@ -617,10 +618,11 @@ def _fused_sizes(n: int, k: int, e: int, nexp: int, pooled: bool) -> tuple:
     ws = MAX_BLOCKS * e
     if not pooled:  # pos_to_expert (at offset 0), padding, then the workspace: (total, split sizes)
         return nexp + pad(nexp) + ws, (nexp, pad(nexp), ws)
-    sizes = []
-    for m in (ws, nexp, nexp, nexp, n * k, e, e, e):  # each piece, then its padding to 16 bytes
-        sizes += (m, pad(m))
-    return (*sizes, sum(sizes))
+    pieces, at = [], []
+    for m in (ws, nexp, nexp, nexp, n * k, e, e, e):  # each piece, then its padding to 16 bytes (if any)
+        at.append(len(pieces))
+        pieces += (m, pad(m)) if pad(m) else (m,)
+    return sum(pieces), tuple(pieces), tuple(at)
 
 
 def get_fused_mapping_impl(topk_idx, num_experts, num_expanded_tokens, alignment, config=None):
