@@ -290,6 +290,38 @@ def test_ops_zero_tokens(reference_kernel):
     assert reference_kernel == []  # nothing launched
 
 
+def test_ops_outputs_share_one_allocation(reference_kernel):
+    """tkjit.ops' eager call allocates the workspace and the seven outputs as ONE buffer (one torch.empty a
+    call; the host cost of a launch-bound op), each a contiguous view starting on 16 bytes (the kernel's
+    alignment); the custom op's outputs keep storages of their own (custom ops may not return aliases)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for n, k, e, nexp, a in [(37, 6, 72, 1001, 64), (5, 3, 5, 7, 1), (64, 8, 256, 8 + 256 * 127, 128)]:
+        topk = _topk(n, k, e)
+        ref = get_spec(NAME).reference(_shape(n, k, e, a, nexp), topk)
+        for _ in range(2):  # the checked first call, then the planned one
+            with Allocs() as m:
+                *outs, _ = tkjit.ops.get_fused_mapping(topk, e, nexp, a)
+            # (the reference the launch writes makes its own tensors with torch.full)
+            assert m.ops.count("empty") == 1 and not {"zeros", "zero_", "fill_"} & set(m.ops), m.ops
+            _equal(outs, ref)
+            assert len({t.untyped_storage().data_ptr() for t in outs}) == 1
+            assert all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in outs)
+        separate = torch.ops.tkjit.get_fused_mapping(topk, e, nexp, a)
+        _equal(separate, ref)
+        assert len({t.untyped_storage().data_ptr() for t in separate}) == 7
+        assert all(t.is_contiguous() and t.storage_offset() == 0 for t in separate)
+
+
 def test_too_small_buffer_drops_or_raises(reference_kernel, monkeypatch):
     topk = _topk(37, 6, 8)
     *outs, _ = tkjit.ops.get_fused_mapping(topk, 8, 20, 4)

@@ -34,7 +34,9 @@ def test_spec_validates(name):
         full = spec.canonical_shape(ex)
         assert spec.default_config(full, "sm_90a") in spec.configs(full, "sm_90a")
         assert spec.default_config(full, "cpu") == {"layout": "loop", "blocks": 1, "threads": 128, "vec": 1}
-    assert len(spec.configs(spec.canonical_shape(spec.examples[0]), "sm_90a")) == 7 * 4 * 2
+    # (264 blocks of 1024 threads cannot all be co-resident: a cooperative grid refuses them)
+    assert len(spec.configs(spec.canonical_shape(spec.examples[0]), "sm_90a")) == 7 * 4 * 3 - 3
+    assert not any(o.zeroed for o in spec.outputs)  # the kernel writes (or zeroes) all of them: one launch
 
 
 def test_default_grid_one_block_then_wide():
@@ -44,6 +46,9 @@ def test_default_grid_one_block_then_wide():
     big = mod.default({"num_tokens": 1 << 20, "num_topk": 8, "num_groups": 256})
     assert small["blocks"] == 1 and (big["blocks"], big["threads"]) == (264, 128)
     assert mod.default({"num_tokens": 4096, "num_topk": 8, "num_groups": 256})["blocks"] == 264
+    # vec=8 (four 16-byte loads in flight, TileKernels' row per thread) once the grid takes 4+ steps of vec=2
+    assert mod.default({"num_tokens": 8192, "num_topk": 8, "num_groups": 256})["vec"] == 2
+    assert mod.default({"num_tokens": 65536, "num_topk": 8, "num_groups": 256})["vec"] == 8
 
 
 def test_bad_shapes_and_configs():
@@ -59,6 +64,8 @@ def test_bad_shapes_and_configs():
         spec.check_config(full, {"layout": "grid", "blocks": 1, "threads": 128, "vec": 1}, "cpu")
     with pytest.raises(ConfigError, match="for the C target only"):
         spec.check_config(full, {"layout": "loop", "blocks": 1, "threads": 128, "vec": 1}, "sm_90a")
+    with pytest.raises(ConfigError, match="must be co-resident"):
+        spec.check_config(full, {"layout": "grid", "blocks": 264, "threads": 1024, "vec": 2}, "sm_90a")
 
 
 def _bincount(idx, n):
@@ -113,6 +120,16 @@ def test_c_target_runs(name, ids):
         for n in (1, 7, 4001):
             for seed in (0, 1, 2):
                 assert check(kern, {"num_tokens": n, "num_topk": k, ids: e}, device="cpu", seed=seed) is None
+    # Outputs are not zero-filled before the launch: the kernel writes every element (into garbage here).
+    shape = {"num_tokens": 37, "num_topk": 8, ids: 72}
+    spec = get_spec(name)
+    args = spec.make_inputs(spec.canonical_shape(shape), "cpu", 1)
+    ref = spec.reference(spec.canonical_shape(shape), *args)
+    outs = [torch.full_like(r, 7) for r in (ref if isinstance(ref, tuple) else (ref,))]
+    kern = tkjit.get(name, shape, arch="cpu")
+    got = kern(*args, out=outs[0] if len(outs) == 1 else outs)
+    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        assert torch.equal(g, r)
 
 
 def test_aux_fi_zero_tokens_and_extremes():
@@ -133,11 +150,15 @@ def test_aux_fi_zero_tokens_and_extremes():
 @pytest.mark.parametrize("name,ids,config", [
     ("group_count", "num_groups", {"layout": "grid", "blocks": 264, "threads": 256, "vec": 2}),
     ("aux_fi", "num_experts", {"layout": "grid", "blocks": 132, "threads": 256, "vec": 2}),
+    ("aux_fi", "num_experts", {"layout": "grid", "blocks": 264, "threads": 128, "vec": 8}),
 ])
 def test_compiles_for_sm90a(name, ids, config):
     kern = tkjit.get(name, {"num_tokens": 4001, "num_topk": 9, ids: 72}, arch="sm_90a", config=config)
     src = (kern.path / "kernel.cu").read_text()
     assert "AtomicAdd" in src and "longlong2" in src  # shared counters, 16-byte loads
+    # blocks > 1: the grid zeroes its atomics' output itself, then a grid barrier (a cooperative launch)
+    assert "cooperative_groups::this_grid().sync()" in src
+    assert b"tirx.use_cooperative_launch" in (kern.path / "kernel.so").read_bytes()
     if name == "aux_fi":
         assert "__threadfence" in src and "AtomicAddRet" in src  # the ticket of the last block
         assert "__fdividef" not in src

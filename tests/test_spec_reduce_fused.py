@@ -168,6 +168,19 @@ def test_compiles_for_sm90a(cache_dir):
     assert "(int64_t)pos) * (int64_t)7168" in src
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden,vec_bytes,unroll", [(7168, 16, 7), (4098, 4, 2), (4098, 2, 4)])
+def test_e4m3_cast_compiles_for_sm90a(cache_dir, hidden, vec_bytes, unroll):
+    # The e4m3 output: paired SATFINITE conversions where a lane holds 2+ values (saturate to +-448, NaN
+    # stays NaN: the values the clamp gave), the clamp and a scalar cast for one value (vec_bytes=2 bf16).
+    cfg = {"threads": 128, "rows": 1, "vec_bytes": vec_bytes, "unroll": unroll}
+    k = tkjit.get(NAME, _shape(n=4001, p=40000, h=hidden, k=8, v=("bfloat16", True, True, False, True)),
+                  arch="sm_90a", config=cfg)
+    src = (k.path / "kernel.cu").read_text()
+    paired = "__nv_cvt_float2_to_fp8x2(" in src and "__NV_SATFINITE, __NV_E4M3" in src
+    assert paired == (vec_bytes > 2) and ("4.480000e+02" in src) == (vec_bytes == 2)
+
+
 # -- the torch ops, their fakes, compat --------------------------------------------------------------
 
 @pytest.fixture

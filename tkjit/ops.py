@@ -207,8 +207,8 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
         n, k = topk_idx.shape
         num_expanded_tokens = upper_bound(n, k, num_experts, alignment)
     if _eager(topk_idx):
-        outs = torch_ops.get_fused_mapping_impl(topk_idx, num_experts, num_expanded_tokens, alignment,
-                                                encode_config(config))
+        outs = torch_ops.get_fused_mapping_pooled(topk_idx, num_experts, num_expanded_tokens, alignment,
+                                                  encode_config(config))
     else:
         outs = torch.ops.tkjit.get_fused_mapping.default(topk_idx, num_experts, num_expanded_tokens, alignment,
                                                          encode_config(config))

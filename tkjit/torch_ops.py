@@ -610,16 +610,62 @@ def _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment) -> dict:
             "num_topk": topk_idx.shape[1], "num_experts": num_experts, "alignment": alignment}
 
 
+def _fused_buffers(n: int, k: int, e: int, nexp: int, dev, pooled: bool) -> tuple:
+    """The workspace (MAX_BLOCKS, e) and the seven outputs, each contiguous and starting on 16 bytes (the
+    kernel's `TensorArg.align`). pooled: ONE allocation, the tensors views of it at 16-byte offsets (the
+    eager path; torch.empty on the GPU host costs µs a call). Otherwise (the custom op, whose outputs may
+    not share storage) one allocation per output, the workspace in pos_to_expert's, past its rows."""
+    sizes = _fused_sizes(n, k, e, nexp, pooled)
+    if pooled:
+        total, pieces, at = sizes
+        parts = torch.empty(total, dtype=torch.int32, device=dev).split_with_sizes(pieces)
+        ws, p2e, p2t, p2tk, ttp, start, end, count = [parts[i] for i in at]
+    else:
+        i32 = torch.int32
+        p2e, _, ws = torch.empty(sizes[0], dtype=i32, device=dev).split_with_sizes(sizes[1])
+        p2t, p2tk = (torch.empty(nexp, dtype=i32, device=dev) for _ in range(2))
+        ttp = torch.empty(n * k, dtype=i32, device=dev)
+        start, end, count = (torch.empty(e, dtype=i32, device=dev) for _ in range(3))
+    return ws.view(-1, e), (p2e, p2t, p2tk, ttp.view(n, k), start, end, count)
+
+
+@functools.lru_cache(maxsize=64)
+def _fused_sizes(n: int, k: int, e: int, nexp: int, pooled: bool) -> tuple:
+    from tkjit_kernels.moe.get_fused_mapping import MAX_BLOCKS
+
+    def pad(m: int) -> int:  # int32 elements up to the next 16 bytes
+        return -m % 4
+
+    ws = MAX_BLOCKS * e
+    if not pooled:  # pos_to_expert (at offset 0), padding, then the workspace: (total, split sizes)
+        return nexp + pad(nexp) + ws, (nexp, pad(nexp), ws)
+    pieces, at = [], []
+    for m in (ws, nexp, nexp, nexp, n * k, e, e, e):  # each piece, then its padding to 16 bytes (if any)
+        at.append(len(pieces))
+        pieces += (m, pad(m)) if pad(m) else (m,)
+    return sum(pieces), tuple(pieces), tuple(at)
+
+
 def get_fused_mapping_impl(topk_idx, num_experts, num_expanded_tokens, alignment, config=None):
     """topk_idx (num_tokens, num_topk) int64 -> (pos_to_expert, pos_to_token, pos_to_token_topk: int32
     (num_expanded_tokens,); token_topk_to_pos int32 (num_tokens, num_topk); expert_start, expert_end,
     num_tokens_per_expert: int32 (num_experts,)). Entries outside [-1, num_experts) count as -1; positions
     at or past num_expanded_tokens are dropped (token_topk_to_pos -1), or with TKJIT_CHECK_INDICES=1 a
     ShapeError (one device sync)."""
-    from tkjit_kernels.moe.get_fused_mapping import MAX_BLOCKS
+    return _fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, config, False)
 
+
+def get_fused_mapping_pooled(topk_idx, num_experts, num_expanded_tokens, alignment, config=None):
+    """get_fused_mapping_impl with the outputs views of one allocation (`tkjit.ops`' eager path; the
+    custom op's outputs may not share storage): one torch.empty a call instead of eight."""
+    return _fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, config, True)
+
+
+def _fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, config, pooled):
     shape = _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment)
-    check_indices("get_fused_mapping", "topk_idx", topk_idx, num_experts)
+    checking = _check_indices_on()  # (read once: an environment lookup)
+    if checking:
+        check_indices("get_fused_mapping", "topk_idx", topk_idx, num_experts)
     n, k = topk_idx.shape
     dev, i32 = topk_idx.device, torch.int32
     if n == 0:  # nothing routed: every position is padding, every segment empty (shape checked all the same)
@@ -630,13 +676,16 @@ def get_fused_mapping_impl(topk_idx, num_experts, num_expanded_tokens, alignment
         return (*pos, torch.empty((0, k), dtype=i32, device=dev),
                 *[torch.zeros(num_experts, dtype=i32, device=dev) for _ in range(3)])
     kernel = get("get_fused_mapping", shape, arch=arch_of(topk_idx), config=_config(config))
-    # The workspace of per-block counts: its content on entry is ignored.
-    workspace = torch.empty((MAX_BLOCKS, num_experts), dtype=i32, device=dev)
-    _, *outs = kernel(topk_idx, workspace, num_expanded_tokens=shape["num_expanded_tokens"])
+    # The workspace of per-block counts (its content on entry is ignored) and the outputs, allocated
+    # together; the call into them (out=) checks them as it checks inputs (a plan after the first call).
+    # An int num_experts outside the spec's range is refused by `get` above, before any allocation.
+    workspace, outs = _fused_buffers(n, k, num_experts, shape["num_expanded_tokens"], dev, pooled)
+    kernel(topk_idx, workspace, out=outs)
+    outs = list(outs)
     if num_expanded_tokens == 0:  # launched into 1-row maps: everything is dropped, the maps are empty
         outs[:3] = [torch.empty(0, dtype=i32, device=dev) for _ in range(3)]
         outs[3].fill_(-1)  # (the entry the kernel put at row 0)
-    if _check_indices_on() and num_tokens_layout(outs) > num_expanded_tokens:
+    if checking and num_tokens_layout(outs) > num_expanded_tokens:
         raise ShapeError(
             f"get_fused_mapping: the layout needs {num_tokens_layout(outs)} rows but num_expanded_tokens is "
             f"{num_expanded_tokens}: positions past it were dropped (pass 0 to size it, or a larger buffer)"

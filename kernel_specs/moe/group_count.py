@@ -22,8 +22,15 @@ the torch reference does. 0 tokens: zeros (nothing is launched; both outputs are
 Layouts (`layout`):
   grid  `blocks` persistent blocks of `threads` threads stride over the flattened entries,
         `vec` consecutive int64 per thread per step (vec=2: 16-byte loads; a warp reads a
-        contiguous span), counting into shared-memory int32 counters; then one global atomic per
-        non-zero counter per block. blocks=1 stores its counters directly (no atomics).
+        contiguous span; vec=8: four 16-byte loads in flight, TileKernels' one row of 8 per
+        thread), counting into shared-memory int32 counters; then one global atomic per non-zero
+        counter per block. blocks=1 stores its counters directly (no atomics).
+        blocks > 1 is a cooperative launch (`T.sync_grid()`): the grid zeroes the output its
+        atomics add into (each block a slice, while the counting runs), and a grid barrier after
+        the counting orders the zeroing before any atomic. No output needs a fill before the
+        launch, so a call is ONE launch (TileKernels' is two: torch.zeros, then the kernel). All
+        blocks must be co-resident: blocks * threads <= 132 * 1024 (an H200's SMs at 1024
+        threads, 64 registers a thread; a launch that does not fit is a CUDA error, never a hang).
         aux_fi with blocks > 1: the blocks add their counts into the int32 `counts` output; each
         block then takes a ticket (counts[num_experts], an acq_rel atomic after a fence), and the
         block that takes the last one computes every fi from the grid's totals and sets the ticket
@@ -45,8 +52,9 @@ SPACE = {
     "layout": ("grid", "loop"),
     "blocks": (1, 4, 16, 33, 66, 132, 264),
     "threads": (128, 256, 512, 1024),
-    "vec": (1, 2),
+    "vec": (1, 2, 8),
 }
+COOP_THREADS = 132 * 1024  # blocks * threads of a cooperative grid (blocks > 1): co-resident on an H200
 
 
 def _params(ids: str, ids_doc: str) -> tuple:
@@ -59,18 +67,25 @@ def _params(ids: str, ids_doc: str) -> tuple:
 
 def default(shape: dict) -> dict:
     entries = shape.get("num_tokens", 8192) * shape["num_topk"]
+    blocks, threads = 264, 128
     # One block while its loads cover the entries in a step or two (no cross-block atomics, no ticket);
     # beyond, a wide persistent grid (two blocks of 128 per H200 SM, TileKernels' launch shape): on the
     # H200 a grid of one block per 8K entries ran 13-16 us at 4096-65536 tokens, top-8, 256 groups,
     # where TileKernels' wide grid took 7.6-11 us; the counting is latency-bound, so spread it.
+    # Where the grid would take 4 or more dependent steps of 16-byte loads (65536 tokens at top-8), vec=8:
+    # four loads in flight a step, TileKernels' one row of 8 entries per thread (a latency-bound loop).
     if entries <= 2048:
         return {"layout": "grid", "blocks": 1, "threads": 512, "vec": 2}
-    return {"layout": "grid", "blocks": 264, "threads": 128, "vec": 2}
+    vec = 8 if entries >= blocks * threads * 8 else 2
+    return {"layout": "grid", "blocks": blocks, "threads": threads, "vec": vec}
 
 
 def constraint(shape: dict, c: dict) -> str | None:
     if c["layout"] == "loop" and (c["blocks"], c["threads"], c["vec"]) != (1, 128, 1):
         return "layout=loop is one thread: blocks=1, threads=128, vec=1 only (other values duplicate it)"
+    if c["blocks"] > 1 and c["blocks"] * c["threads"] > COOP_THREADS:
+        return (f"blocks * threads = {c['blocks'] * c['threads']} > {COOP_THREADS}: a cooperative grid (blocks > 1) "
+                "must be co-resident")
     return None
 
 
@@ -110,11 +125,22 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
 
     @T.macro
     def loop_count(idx, counts):
+        for g in T.serial(G):  # (the output is not zero-filled before the launch)
+            counts[g] = 0
         for t in T.serial(num_tokens):
             for j in T.serial(K):
                 e = idx[t, j]
                 if valid(e):
                     counts[T.cast(e, i32)] = counts[T.cast(e, i32)] + 1
+
+    @T.macro
+    def zero_grid(buf, n, bx, tx):
+        # blocks > 1: the grid zeroes what its atomics add into, each block a slice (ordered before the
+        # atomics by the grid barrier that follows the counting).
+        for j in T.serial(-(-n // (blocks * threads))):
+            i = (j * blocks + bx) * threads + tx
+            if i < n:
+                buf[i] = 0
 
     @T.macro
     def grid_count(flat, smem, bx, tx):
@@ -126,8 +152,13 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
         for it in T.serial(T.ceildiv(total, step)):
             base = ((it * blocks + bx) * threads + tx) * vec
             if base + vec <= total:
-                for v in T.vectorized(vec):
-                    ids_local[v] = flat[base + v]
+                if vec <= 2:
+                    for v in T.vectorized(vec):
+                        ids_local[v] = flat[base + v]
+                else:  # 16-byte loads, all issued before the counting
+                    for u in T.unroll(vec // 2):
+                        for v in T.vectorized(2):
+                            ids_local[u * 2 + v] = flat[base + u * 2 + v]
             else:  # the grid's last partial step: element by element, nothing past the end
                 for v in T.unroll(vec):
                     ids_local[v] = T.if_then_else(base + v < total, flat[T.min(base + v, total - 1)], T.int64(-1))
@@ -151,7 +182,11 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
                     tx = T.get_thread_binding()
                     flat = T.reshape(group_idx, (num_tokens * K,))
                     smem = T.alloc_shared((padded,), i32)
+                    if blocks > 1:
+                        zero_grid(out, G, bx, tx)
                     grid_count(flat, smem, bx, tx)
+                    if blocks > 1:
+                        T.sync_grid()
                     for j in T.serial(padded // threads):
                         g = j * threads + tx
                         if g < G:
@@ -172,6 +207,7 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
         if layout == "loop":
             with T.Kernel(1, threads=1) as _:
                 loop_count(topk_idx, counts)
+                counts[G] = 0
                 denom = denom_of(num_aux_topk)
                 for g in T.serial(G):
                     fi[g] = fi_of(counts[g], denom)
@@ -181,6 +217,8 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
                 flat = T.reshape(topk_idx, (num_tokens * K,))
                 smem = T.alloc_shared((padded,), i32)
                 last = T.alloc_shared((1,), i32)
+                if blocks > 1:
+                    zero_grid(counts, G + 1, bx, tx)  # (the ticket too)
                 grid_count(flat, smem, bx, tx)
                 denom = denom_of(num_aux_topk)
                 if blocks == 1:
@@ -189,7 +227,10 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
                         if g < G:
                             counts[g] = smem[g]
                             fi[g] = fi_of(smem[g], denom)
+                    if tx == 0:
+                        counts[G] = 0
                 else:
+                    T.sync_grid()
                     for j in T.serial(padded // threads):
                         g = j * threads + tx
                         if g < G:
@@ -291,7 +332,8 @@ SPEC = register(
         params=_params("num_groups", "groups (ids 0..num_groups-1; others skipped)"),
         build=group_count_build,
         inputs=(TensorArg("group_idx", "int64", ("num_tokens", "num_topk")),),
-        outputs=(TensorArg("out", "int32", ("num_groups",), zeroed=True),),
+        # Not zeroed: the kernel writes all of it (blocks > 1 zero it in the kernel, see Layouts).
+        outputs=(TensorArg("out", "int32", ("num_groups",)),),
         make_inputs=group_count_inputs,
         reference=group_count_reference,
         bytes_moved=lambda s: s["num_tokens"] * s["num_topk"] * 8 + s["num_groups"] * 4,
@@ -312,8 +354,8 @@ AUX_FI_SPEC = register(
             # the time of a launch-bound call; an empty batch, not launched, gets zeros all the same).
             TensorArg("fi", "float32", ("num_experts",)),
             # counts[:num_experts]: the per-expert counts; counts[num_experts]: the grid's block ticket,
-            # left at 0 (zeroed: blocks > 1 accumulate into it).
-            TensorArg("counts", "int32", (lambda s: s["num_experts"] + 1,), zeroed=True),
+            # left at 0. Not zeroed either: the grid zeroes it before its atomics (see Layouts).
+            TensorArg("counts", "int32", (lambda s: s["num_experts"] + 1,)),
         ),
         scalars=(ScalarArg("num_aux_topk", int),),
         make_inputs=aux_fi_inputs,

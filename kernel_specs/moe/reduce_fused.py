@@ -71,6 +71,12 @@ def build(shape, c):
     num_tokens = T.dynamic("num_tokens")
     num_expanded_tokens = T.dynamic("num_expanded_tokens")
     f32 = T.float32
+    w = min(vec, 4)  # the e4m3 cast's vector: float4 at most
+
+    def saturated(a):
+        # Saturate (NaN compares false and stays NaN); the cast then rounds to nearest even.
+        return T.cast(T.if_then_else(a > T.float32(FP8_MAX), T.float32(FP8_MAX),
+                                     T.if_then_else(a < T.float32(-FP8_MAX), T.float32(-FP8_MAX), a)), o_dt)
 
     def reduce_fused(
         x: T.Tensor[(num_expanded_tokens, H), in_dt],
@@ -111,20 +117,25 @@ def build(shape, c):
                         for e in T.unroll(U * vec):
                             # One rounding per slot, as TileKernels (its reference is compiled to an FMA).
                             acc[e] = T.call_extern("float32", "__fmaf_rn", T.cast(xs[e], f32), s[0], acc[e])
-                for e in T.unroll(U * vec):
+                if o_dt == "float8_e4m3fn":
                     if has_sf:
-                        acc[e] = acc[e] * sf[0]
-                    if o_dt == "float8_e4m3fn":
-                        # Saturate (NaN compares false and stays NaN), then round to nearest even.
-                        ys[e] = T.cast(
-                            T.if_then_else(
-                                acc[e] > T.float32(FP8_MAX),
-                                T.float32(FP8_MAX),
-                                T.if_then_else(acc[e] < T.float32(-FP8_MAX), T.float32(-FP8_MAX), acc[e]),
-                            ),
-                            o_dt,
-                        )
+                        for e in T.unroll(U * vec):
+                            acc[e] = acc[e] * sf[0]
+                    if vec >= 2:
+                        # A vectorized cast (float4 / float2 pieces): TileLang lowers it to
+                        # __nv_cvt_float2_to_fp8x2(.., __NV_SATFINITE, __NV_E4M3), one cvt per pair, which
+                        # saturates to +-448, keeps NaN and rounds to nearest even, as TileKernels' kernel
+                        # casts (before: a clamp and a scalar cast per element, the same values).
+                        for h in T.unroll(U * vec // w):
+                            for v in T.vectorized(w):
+                                ys[h * w + v] = T.cast(acc[h * w + v], o_dt)
                     else:
+                        for e in T.unroll(U * vec):
+                            ys[e] = saturated(acc[e])
+                else:
+                    for e in T.unroll(U * vec):
+                        if has_sf:
+                            acc[e] = acc[e] * sf[0]
                         ys[e] = T.cast(acc[e], o_dt)
                 for u in T.unroll(U):
                     if guard:

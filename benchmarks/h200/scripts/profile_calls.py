@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a launch-bound call spends its time: tkjit's kernel object beside TileKernels' function.
 
-    python benchmarks/h200/scripts/profile_calls.py [--kernels aux_fi group_count ...] [--json out.json]
+    python benchmarks/h200/scripts/profile_calls.py [--kernels aux_fi group_count ...] [--ops] [--json out.json]
 
 For each kernel and each of its benchmark shapes (tools/baselines.py), both implementations get:
   event      median µs of CUDA events around one call after an L2 flush (what tools/bench.py reports)
@@ -11,7 +11,9 @@ For each kernel and each of its benchmark shapes (tools/baselines.py), both impl
   api        CUDA runtime/driver calls per call from torch.profiler (launches, memsets, syncs,
              copies): a sync inside the call makes the events time the host work after it
   kernels    device µs per call of each kernel launched
-and tkjit's call gets a cProfile of its Python frames (top functions by own time).
+and tkjit's call gets a cProfile of its Python frames (top functions by own time). --ops adds a row for
+the routing ops' `tkjit.ops` call (the op's own allocations, e.g. get_fused_mapping's one buffer), which is
+what a user calls and what TileKernels' row (its function, allocating its outputs) compares with.
 """
 
 from __future__ import annotations
@@ -81,11 +83,30 @@ def py_profile(fn, top: int = 14) -> str:
     return "\n".join(line for line in s.getvalue().splitlines() if line.strip())
 
 
+def _ops_call(name: str, full: dict, inputs: tuple):
+    """The op a user calls (`tkjit.ops`, eager: outputs allocated as the op does, as TileKernels' function
+    allocates its own), for the routing ops; None for the others."""
+    import tkjit.ops as ops
+
+    x = inputs[0]
+    calls = {
+        "get_fused_mapping": lambda: ops.get_fused_mapping(x, full.get("num_experts"), full.get("num_expanded_tokens"),
+                                                           full.get("alignment")),
+        "aux_fi": lambda: ops.aux_fi(x, full.get("num_experts"), inputs[-1]),
+        "group_count": lambda: ops.group_count(x, full.get("num_groups")),
+        # (per_gpu experts on each of 1 EP rank: the op's n // num_ep_ranks is the kernel's per_gpu)
+        "mask_indices_by_tp": lambda: ops.mask_indices_by_tp(x, inputs[1], 1, inputs[2], inputs[3]),
+        "inplace_unique_group_indices": lambda: ops.inplace_unique_group_indices(x, full.get("num_groups")),
+    }
+    return calls.get(name)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", nargs="*", default=["get_fused_mapping", "aux_fi", "group_count"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-pyprofile", action="store_true")
+    ap.add_argument("--ops", action="store_true", help="also time tkjit.ops' call (the routing ops)")
     args = ap.parse_args()
     rows = []
     for name in args.kernels:
@@ -96,6 +117,9 @@ def main() -> int:
             kt = tkjit.get(name, full)
             kw = {r: full[r] for r in kt.caller_sized}
             impls = [("tkjit", lambda kt=kt, inputs=inputs, kw=kw: kt(*inputs, **kw))]
+            op = _ops_call(name, full, inputs) if args.ops else None
+            if op is not None:
+                impls.append(("tkjit.ops", op))
             tk = TILE_KERNELS.get(name)
             f = tk(full, inputs) if tk else None
             if f is not None:
@@ -113,7 +137,7 @@ def main() -> int:
                 print(f"   event {row['event_us']} us  warm {row['warm_us']} us  host {row['host_us']} us/call")
                 print(f"   api/call {row['api']}")
                 print(f"   kernels us/call {row['kernels']}")
-                if impl == "tkjit" and not args.no_pyprofile and shape is SHAPES[name][0]:
+                if impl.startswith("tkjit") and not args.no_pyprofile and shape is SHAPES[name][0]:
                     print(py_profile(fn))
                 sys.stdout.flush()
     if args.json:
