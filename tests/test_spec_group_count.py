@@ -139,6 +139,10 @@ def test_aux_fi_zero_tokens_and_extremes():
         fi, counts = kern(torch.empty(0, 8, dtype=torch.int64), 8)
         # fi is not zero-filled when launched (the kernel writes it all); an empty batch launches nothing
         assert torch.equal(fi, torch.zeros(72)) and torch.equal(counts, torch.zeros(73, dtype=torch.int32))
+    for _ in range(3):  # into out= tensors full of garbage: an empty batch's outputs are zeros there too
+        fi, counts = torch.full((72,), float("nan")), torch.full((73,), 7, dtype=torch.int32)
+        kern(torch.empty(0, 8, dtype=torch.int64), 8, out=(fi, counts))
+        assert torch.equal(fi, torch.zeros(72)) and torch.equal(counts, torch.zeros(73, dtype=torch.int32))
     idx = torch.full((5, 8), 3, dtype=torch.int64)
     fi, _ = kern(idx, 0)  # num_aux_topk = 0: inf where counted, nan elsewhere (torch: x / 0)
     assert fi[3] == float("inf") and fi[[0, 1, 2]].isnan().all()

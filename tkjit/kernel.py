@@ -301,8 +301,9 @@ class CompiledKernel:
                 raise TensorError(f"{self.name}: expected {len(self._out)} output tensors, got {len(outs)}")
             for t, a in zip(outs, self._out):
                 self._check(t, a, sizes, device, output=True)
+            idle = any(v == 0 for v in sizes.values())  # (as above: an empty batch's outputs are zeros)
             for t, a in zip(outs, self._out):
-                if a.zeroed:
+                if a.zeroed or idle:
                     t.zero_()
         if device.type == "cuda" and device.index not in self._checked_devices:
             self._check_device(device)
@@ -449,7 +450,7 @@ class CompiledKernel:
         aligned = tuple((i, a.align) for i, a in enumerate(self._present) if a.align > 1)
         out_aligned = tuple((i, a.align) for i, a in enumerate(self._out) if a.align > 1)
         scalar_ok = tuple(_scalar_check(s) for s in self._scalars)
-        zeroed = tuple(i for i, a in enumerate(self._out) if a.zeroed)
+        zeroed = tuple(i for i, a in enumerate(self._out) if a.zeroed or not launched)  # (empty batch: zeros)
         inouts = tuple(self._present.index(self._in[i]) for i in self._inouts)
         n_in, n_out, n_args, name = len(inputs), len(outs), len(inputs) + len(self._scalars), self.name
 
