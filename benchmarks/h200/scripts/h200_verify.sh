@@ -27,6 +27,8 @@
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
+#   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
+#             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
 # Paths below are from the repository root (tests/, tools/, .gpu/), wherever the script is started from.
 cd "$(dirname "$0")/../../.." || exit 1
@@ -173,6 +175,20 @@ catalog)
   fi
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
   [ -f "$OUT/pretune.txt" ] && tail -n 30 "$OUT/pretune.txt"; [ -f "$OUT/bench.txt" ] && tail -n 40 "$OUT/bench.txt"
+  ;;
+s9)
+  case "${PART:-tests1}" in
+  tests1) FILES="per_channel_cast:not every_config;per_channel_cast_fused:not every_config;group_count;reduce_fused:not every_config" ;;
+  tests2) FILES="mhc_pre_big_fuse:not every_config;per_block_cast_lossless:not every_config;per_token_cast_e2m1:not every_config;mhc_pre_norm_fn:not every_config" ;;
+  tests3) FILES="swiglu_forward_and_per_token_cast:not every_config;per_token_cast_with_precomputed_sf;mhc_multilayer_recompute:not every_config;mhc_functional" ;;
+  bench) KERNELS="per_channel_cast,per_channel_cast_fused,swiglu_forward_and_per_channel_cast,group_count,aux_fi,reduce_fused,get_fused_mapping,mhc_pre_big_fuse" ;;
+  *) echo "PART is tests1, tests2, tests3 or bench"; exit 2 ;;
+  esac
+  if [ "$PART" = bench ]; then
+    KERNELS=$KERNELS BENCH_TIMEOUT=${BENCH_TIMEOUT:-480} bash "$0" bench
+  else
+    FILES=$FILES TEST_TIMEOUT=${TEST_TIMEOUT:-240} bash "$0" parallel
+  fi
   ;;
 bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile)
   timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py --isolate $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
