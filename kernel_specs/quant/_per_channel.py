@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -178,6 +178,25 @@ TILE_SPACE = {
     "ch_threads": (4, 8, 16, 32, 64),  # threads along the channels of a tile
     "threads": (128, 256, 512),
 }
+
+
+class Tile(NamedTuple):
+    """A config's block of the per-channel casts: threads // ch_threads threads along the tokens, each with
+    num_per_tokens / that many rows; vec * ch_threads channels a block, ceil(hidden / that) tiles a row, the
+    last one past hidden (its vectors checked) when it does not divide."""
+
+    tok_threads: int
+    tpt: int
+    block_ch: int
+    ch_tiles: int
+    ch_tail: bool
+
+
+def tile_of(shape, c) -> Tile:
+    tok_threads = c["threads"] // c["ch_threads"]
+    block_ch = c["vec"] * c["ch_threads"]
+    h = shape["hidden"]
+    return Tile(tok_threads, shape["num_per_tokens"] // tok_threads, block_ch, -(-h // block_ch), h % block_ch != 0)
 
 
 def tile_constraint(shape, c, row_regs: int = 0) -> str | None:

@@ -33,6 +33,7 @@ from tkjit_kernels.quant._per_channel import (
     smem_constraint,
     staged_default,
     tile_constraint,
+    tile_of,
     valid_tiles,
 )
 
@@ -89,11 +90,7 @@ def build(shape, c, prologue: Prologue | None = None):
         return _build_smem(shape, c, prologue)
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
     vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    tok_threads = threads // cht
-    tpt = npt // tok_threads  # tokens per thread
-    block_ch = vec * cht
-    ch_tiles = -(-H // block_ch)
-    ch_tail = H % block_ch != 0
+    tok_threads, tpt, block_ch, ch_tiles, ch_tail = tile_of(shape, c)
     token_blocks = T.dynamic("token_blocks")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
@@ -181,11 +178,7 @@ def _build_smem(shape, c, prologue: Prologue | None):
 
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
     vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    tok_threads = threads // cht
-    tpt = npt // tok_threads
-    block_ch = vec * cht
-    ch_tiles = -(-H // block_ch)
-    ch_tail = H % block_ch != 0
+    tok_threads, tpt, block_ch, ch_tiles, ch_tail = tile_of(shape, c)
     token_blocks = T.dynamic("token_blocks")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])

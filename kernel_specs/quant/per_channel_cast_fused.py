@@ -50,6 +50,7 @@ from tkjit_kernels.quant._per_channel import (
     smem_constraint,
     staged_default,
     tile_constraint,
+    tile_of,
     valid_tiles,
 )
 
@@ -129,11 +130,7 @@ def build(shape, c):
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
     has_sf, has_pos = shape["has_x_sf"], shape["has_pos"]
     vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    tok_threads = threads // cht
-    tpt = npt // tok_threads  # rows per thread
-    block_ch = vec * cht
-    ch_tiles = -(-H // block_ch)
-    ch_tail = H % block_ch != 0
+    tok_threads, tpt, block_ch, ch_tiles, ch_tail = tile_of(shape, c)
     num_tokens = T.dynamic("num_tokens")
     num_tokens_out = T.dynamic("num_tokens_out")
     f32, fp8 = T.float32, T.float8_e4m3fn
@@ -244,11 +241,7 @@ def _build_smem(shape, c):
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
     has_sf, has_pos = shape["has_x_sf"], shape["has_pos"]
     vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    tok_threads = threads // cht
-    tpt = npt // tok_threads  # rows per thread
-    block_ch = vec * cht
-    ch_tiles = -(-H // block_ch)
-    ch_tail = H % block_ch != 0
+    tok_threads, tpt, block_ch, ch_tiles, ch_tail = tile_of(shape, c)
     num_tokens = T.dynamic("num_tokens")
     num_tokens_out = T.dynamic("num_tokens_out")
     f32, fp8 = T.float32, T.float8_e4m3fn
