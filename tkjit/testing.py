@@ -58,7 +58,10 @@ def run_against_reference(
     spec = kernel.spec
     runtime = {p.name: full[p.name] for p in spec.runtime_params}
     dev = torch.device(inputs[0].device if inputs else device)
-    inouts = [i for i, a in enumerate(spec.inputs) if a.inout]
+    # make_inputs gives the present inputs only (then any scalars): index those, not spec.inputs (an absent
+    # optional input before an inout one would shift it).
+    present = [a for a in spec.inputs if a.present(full)]
+    inouts = [i for i, a in enumerate(present) if a.inout]
     if inouts:
         # An in-place kernel changes its inputs: the reference sees them first, and the kernel runs on
         # copies, so the caller's inputs (a tuner's study data) stay as they were.
@@ -74,7 +77,7 @@ def run_against_reference(
     # What the call returns, in its order: the inout inputs, then the outputs. A reference that gives only
     # the outputs leaves the inout inputs unchecked: they are scratch space (get_fused_mapping's workspace).
     decls = spec.output_decls(full)
-    results = [(spec.inputs[i].name, inputs[i]) for i in inouts] if len(refs) > len(decls) else []
+    results = [(present[i].name, inputs[i]) for i in inouts] if len(refs) > len(decls) else []
     results += [(name, o) for (name, _, _), o in zip(decls, outs)]
     for (name, o), r in zip(results, refs):
         problem = spec.tolerance.check(name, o.cpu(), r)
