@@ -91,3 +91,36 @@ def test_check_configs_compiles_then_checks_each_config(monkeypatch, tmp_path):
     failures = check_configs("sinkhorn_fwd", [shape], [{"num_tokens": 5}], seeds=(0,), arch="cpu",
                              device="cpu", most=2)
     assert len(failures) == 2 and all("{'num_tokens': 5}" in f for f in failures), failures
+
+
+def test_an_in_place_input_after_an_absent_optional_one_is_found():
+    """make_inputs gives the present inputs only: an in-place input after an absent optional one sits at its
+    position among those (swiglu_forward_and_per_token_cast without its maps: clamped_count), not among all
+    of spec.inputs (where it raised IndexError)."""
+    from tkjit.spec import Static
+
+    spec = KernelSpec(
+        name="count_probe", family="test", doc="", params=(Runtime("n"), Static("has_w", bool, default=False)),
+        space={"skip": (0,)}, default=lambda s: {"skip": 0}, constraint=lambda s, c: None, build=lambda s, c: None,
+        inputs=(TensorArg("w", "float32", ("n",), optional="has_w"), TensorArg("x", "float32", ("n",)),
+                TensorArg("count", "int32", (1,), inout=True)),
+        outputs=(TensorArg("y", "float32", ("n",)),),
+        make_inputs=lambda s, device="cpu", seed=0: (torch.arange(s["n"], dtype=torch.float32),
+                                                     torch.zeros(1, dtype=torch.int32)),
+        reference=lambda s, x, count: (count + 1, 2 * x),
+        bytes_moved=lambda s: 0, examples=({"n": 8},), source_hash="x",
+    )
+
+    class Kernel:
+        def __init__(self, bump: int) -> None:
+            self.spec, self.shape, self.config, self.bump = spec, {}, {"skip": 0}, bump
+
+        def __call__(self, x, count, out):
+            count += self.bump
+            out[0].copy_(2 * x)
+
+    full = spec.canonical_shape({"n": 8})
+    inputs = spec.make_inputs(full)
+    assert run_against_reference(Kernel(1), full, inputs, device="cpu")[1] is None
+    assert "count" in run_against_reference(Kernel(2), full, inputs, device="cpu")[1]  # the in-place input checked
+    assert int(inputs[1]) == 0  # the kernel ran on a copy
