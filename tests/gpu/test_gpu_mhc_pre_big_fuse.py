@@ -5,6 +5,9 @@ TileKernels package's kernel (a TileKernels failure skips only that comparison) 
 ops (bit for bit with the same Sinkhorn config), mhc_pre without gradients, and the op under opcheck and
 torch.compile."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,7 +15,9 @@ import tkjit
 import tkjit.ops
 from tkjit.compat import tile_kernels as compat
 from tkjit.testing import check, check_configs
-from tkjit.torch_ops import tf32_round
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from mhc_chain import tk_chain  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME = "mhc_pre_big_fuse"
@@ -34,24 +39,6 @@ def data(n0, n1, m, h, seed=0):
     fn = torch.randn(w, k, generator=g) / k ** 0.5
     scale, base = torch.randn(3, generator=g), torch.randn(w, generator=g)
     return tuple(t.cuda() for t in (residual, fn, scale, base))
-
-
-def tk_chain(residual, fn, scale, base, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value,
-             sinkhorn_repeat):
-    """TileKernels' torch references chained as its mhc_pre chains its ops, float32, fn rounded to TF32."""
-    m, h = residual.shape[-2:]
-    x = residual.flatten(-2).float()
-    mixes = (x @ tf32_round(fn).T) * (x.square().sum(-1, keepdim=True) / (m * h) + rms_eps).rsqrt()
-    s = torch.cat([scale[0].expand(m), scale[1].expand(m), scale[2].expand(m * m)])
-    z = mixes * s + base
-    pre = z[..., :m].sigmoid().unsqueeze(-1) + mhc_pre_eps
-    post = (z[..., m:2 * m].sigmoid() * mhc_post_mult_value).unsqueeze(-1)
-    comb = z[..., 2 * m:].unflatten(-1, (m, m)).softmax(-1) + mhc_sinkhorn_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + mhc_sinkhorn_eps)
-    for _ in range(sinkhorn_repeat - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + mhc_sinkhorn_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + mhc_sinkhorn_eps)
-    return post, comb, (residual * pre).sum(-2).bfloat16()
 
 
 def test_every_config_in_the_space():
