@@ -199,18 +199,48 @@ def tile_of(shape, c) -> Tile:
     return Tile(tok_threads, shape["num_per_tokens"] // tok_threads, block_ch, -(-h // block_ch), h % block_ch != 0)
 
 
-def tile_constraint(shape, c, row_regs: int = 0) -> str | None:
-    """Why config c cannot hold its tile in registers, else None. row_regs: registers the kernel keeps per
-    token row beside the values (per_channel_cast_fused: the gathered row index, the row's input scale)."""
-    npt, h = shape["num_per_tokens"], shape["hidden"]
-    vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    if vec * elem_bytes(shape) > 32:
+def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable):
+    """The reduction every per-channel cast block ends with: each thread's partial maxima of its vec channels
+    (from channel cc of the tile) to shared memory, one barrier, then every thread folds the tok_threads partial
+    maxima of its own channels and makes their scales and inverses (no second barrier, no broadcast)."""
+    from tilelang import language as T
+
+    @T.macro
+    def fold(red, amax, sf, inv, tr, cc):
+        for v in T.vectorized(vec):
+            red[tr, cc + v] = amax[v]
+        T.sync_threads()
+        for r in T.unroll(tok_threads):
+            for v in T.unroll(vec):
+                amax[v] = T.max(amax[v], red[r, cc + v])
+        for v in T.unroll(vec):
+            scale_and_inv(amax, sf, inv, v)
+
+    return fold
+
+
+def block_problem(shape, c) -> str | None:
+    """What both stages refuse: vectors over 32 bytes, more channel threads than threads, token rows a block's
+    threads do not divide."""
+    npt, cht, threads = shape["num_per_tokens"], c["ch_threads"], c["threads"]
+    if c["vec"] * elem_bytes(shape) > 32:
         return "a thread's vector is at most 32 bytes (two 16-byte loads)"
     if cht > threads:
         return "ch_threads cannot exceed threads"
+    if npt % (threads // cht):
+        return f"threads/ch_threads={threads // cht} token rows do not divide num_per_tokens={npt}"
+    return None
+
+
+def tile_constraint(shape, c, row_regs: int = 0) -> str | None:
+    """Why config c cannot hold its tile in registers, else None. row_regs: registers the kernel keeps per
+    token row beside the values (per_channel_cast_fused: the gathered row index, the row's input scale)."""
+    why = block_problem(shape, c)
+    if why:
+        return why
+    npt, h = shape["num_per_tokens"], shape["hidden"]
+    vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
     tok_threads = threads // cht
-    if npt % tok_threads:
-        return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
     tpt = npt // tok_threads
     elems = tpt * vec
     if elems > MAX_ELEMS_PER_THREAD:
@@ -262,15 +292,12 @@ BANK_BYTES = 128  # a shared-memory wavefront: 32 banks x 4 bytes
 
 def smem_constraint(shape, c) -> str | None:
     """Why config c cannot run stage="smem", else None."""
+    why = block_problem(shape, c)
+    if why:
+        return why
     npt, h, eb = shape["num_per_tokens"], shape["hidden"], elem_bytes(shape)
     vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
-    if vec * eb > 32:
-        return "a thread's vector is at most 32 bytes (two 16-byte loads)"
-    if cht > threads:
-        return "ch_threads cannot exceed threads"
     tok_threads = threads // cht
-    if npt % tok_threads:
-        return f"threads/ch_threads={tok_threads} token rows do not divide num_per_tokens={npt}"
     # A warp's lanes along one row must fill whole 128-byte wavefronts (16-byte accesses are served a quarter
     # warp at a time, narrower ones half a warp): lanes of different rows would hit the same banks.
     if min(cht, 32) * min(vec * eb, 16) < BANK_BYTES:

@@ -27,6 +27,7 @@ from tkjit_kernels.quant._per_channel import (
     SCALES,
     STAGED_SPACE,
     Prologue,
+    block_fold,
     check_hidden,
     reference_blocks,
     scale_blocks,
@@ -154,7 +155,6 @@ def build(shape, c, prologue: Prologue | None = None):
             for v in T.vectorized(vec):
                 red[tr, tc * vec + v] = amax[v]
             T.sync_threads()
-            # Every thread folds the partial maxima of its own channels: one barrier, no broadcast.
             for r in T.unroll(tok_threads):
                 for v in T.unroll(vec):
                     amax[v] = T.max(amax[v], red[r, tc * vec + v])
@@ -182,6 +182,7 @@ def _build_smem(shape, c, prologue: Prologue | None):
     token_blocks = T.dynamic("token_blocks")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
+    fold = block_fold(vec, tok_threads, scale_and_inv)
 
     x_cols = H if prologue is None else prologue.x_cols(H)
     if prologue is None:
@@ -245,14 +246,7 @@ def _build_smem(shape, c, prologue: Prologue | None):
                     stage(x, tile, amax, xv, b, row0, cc, col)
             else:
                 stage(x, tile, amax, xv, b, row0, cc, col)
-            for v in T.vectorized(vec):
-                red[tr, cc + v] = amax[v]
-            T.sync_threads()
-            for r in T.unroll(tok_threads):
-                for v in T.unroll(vec):
-                    amax[v] = T.max(amax[v], red[r, cc + v])
-            for v in T.unroll(vec):
-                scale_and_inv(amax, sf, inv, v)
+            fold(red, amax, sf, inv, tr, cc)
             if ch_tail:
                 if col < H:
                     store(out, scales, tile, xv, sf, inv, b, tr, row0, cc, col)

@@ -42,6 +42,7 @@ from tkjit_kernels.quant._per_channel import (
     STAGED_SPACE,
     TOKENS_PER_SCALE,
     arch_constraint,
+    block_fold,
     check_hidden,
     elem_bytes,
     pass_configs,
@@ -246,6 +247,7 @@ def _build_smem(shape, c):
     num_tokens_out = T.dynamic("num_tokens_out")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
+    fold = block_fold(vec, tok_threads, scale_and_inv)
 
     def value(xv, rs, j, v):
         """The float32 value of element v of row j's vector: x, or FP8 x times its row's scale."""
@@ -322,15 +324,7 @@ def _build_smem(shape, c):
                     stage(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col)
             else:
                 stage(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col)
-            for v in T.vectorized(vec):
-                red[tr, cc + v] = amax[v]
-            T.sync_threads()
-            # Every thread folds the partial maxima of its own channels: one barrier, no broadcast.
-            for r in T.unroll(tok_threads):
-                for v in T.unroll(vec):
-                    amax[v] = T.max(amax[v], red[r, cc + v])
-            for v in T.unroll(vec):
-                scale_and_inv(amax, sf, inv, v)
+            fold(red, amax, sf, inv, tr, cc)
             if ch_tail:
                 if col < H:
                     store(out, scales, tile, xv, rs, sf, inv, b, tr, r0, row0, cc, col)
