@@ -31,7 +31,8 @@ def test_a_dead_child_costs_its_own_kernel_only(monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real(cmd, **kw))
     rows = bench.bench_isolated(["sinkhorn_fwd", "transpose"], _args(), 4000.0)
     assert [r["kernel"] for r in rows] == ["sinkhorn_fwd", "transpose"]  # the second kernel still ran
-    assert all(r["note"].startswith("failed: exit 1: ") and "CUDA" in r["note"] and r["us"] is None for r in rows), rows
+    # (the child's last line of stderr says why: here, no GPU; on a GPU host, e.g. an illegal address)
+    assert all(r["note"].startswith("failed: exit ") and r["us"] is None for r in rows), rows
     assert all("--ceiling" in c and c[c.index("--ceiling") + 1] == "4000.0" for c in calls)
 
 
