@@ -183,17 +183,19 @@ class PreApplyMixFunction(torch.autograd.Function):
                 _once("mhc_pre_apply_mix", shaped(mix_grad, mix_shape), *deps), None, None, None)
 
 
-def residual_grad(x: torch.Tensor) -> torch.Tensor | None:
+def residual_grad(x: torch.Tensor, op: str = "mhc_pre_apply_mix", arg: str = "x",
+                  owner: str = "x's") -> torch.Tensor | None:
     """The residual gradient TileKernels' mhc_post backward leaves on x's storage (`grad_from_mhc_post`),
-    viewed as x (num_tokens, mhc_mult, hidden) bf16, or None when there is none."""
+    viewed as x (the flattened residual streams, bf16), or None when there is none. op, arg, owner: how the
+    error names the op, the argument whose storage carries it and whose elements it must match."""
     acc = getattr(x.untyped_storage(), "grad_from_mhc_post", None)
     if acc is None:
         return None
     if not isinstance(acc, torch.Tensor) or acc.dtype != torch.bfloat16 or acc.numel() != x.numel() \
             or not acc.is_contiguous() or acc.device != x.device:
         raise TensorError(
-            f"mhc_pre_apply_mix: x.untyped_storage().grad_from_mhc_post must be a contiguous bfloat16 tensor of "
-            f"x's {x.numel()} elements on {x.device}, got {getattr(acc, 'dtype', type(acc).__name__)} "
+            f"{op}: {arg}.untyped_storage().grad_from_mhc_post must be a contiguous bfloat16 tensor of "
+            f"{owner} {x.numel()} elements on {x.device}, got {getattr(acc, 'dtype', type(acc).__name__)} "
             f"{tuple(getattr(acc, 'shape', ()))}"
         )
     return acc.view(x.shape)
@@ -472,7 +474,7 @@ class MhcPreNormFnFunction(torch.autograd.Function):
         x, fn, out_mul, sqrsum = ctx.saved_tensors
         norm_eps, fuse, bwd_config = ctx.args
         storage = x.untyped_storage()
-        acc = pre_norm_fn_residual_grad(x) if fuse else None
+        acc = residual_grad(x, "mhc_pre_norm_fn", "residual", "the residual's") if fuse else None
         with torch.no_grad():
             x_grad, fn_grad = torch_ops.mhc_pre_norm_fn_bwd_impl(rows(out_grad.float(), 1).contiguous(), out_mul,
                                                                 sqrsum, x, fn, norm_eps, bwd_config, x_grad=acc)
@@ -482,22 +484,6 @@ class MhcPreNormFnFunction(torch.autograd.Function):
         deps = (out_grad, x, fn)
         return (_once("mhc_pre_norm_fn", shaped(x_grad, ctx.shape), *deps), _once("mhc_pre_norm_fn", fn_grad, *deps),
                 None, None, None, None)
-
-
-def pre_norm_fn_residual_grad(x: torch.Tensor) -> torch.Tensor | None:
-    """mhc_post's residual gradient on x's storage (`grad_from_mhc_post`) viewed as x (num_tokens, K) bf16, or
-    None when there is none."""
-    acc = getattr(x.untyped_storage(), "grad_from_mhc_post", None)
-    if acc is None:
-        return None
-    if not isinstance(acc, torch.Tensor) or acc.dtype != torch.bfloat16 or acc.numel() != x.numel() \
-            or not acc.is_contiguous() or acc.device != x.device:
-        raise TensorError(
-            f"mhc_pre_norm_fn: residual.untyped_storage().grad_from_mhc_post must be a contiguous bfloat16 tensor of "
-            f"the residual's {x.numel()} elements on {x.device}, got {getattr(acc, 'dtype', type(acc).__name__)} "
-            f"{tuple(getattr(acc, 'shape', ()))}"
-        )
-    return acc.view(x.shape)
 
 
 class FnNormwMergeFunction(torch.autograd.Function):
