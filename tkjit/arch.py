@@ -10,7 +10,7 @@ import functools
 import re
 
 from tkjit import envs
-from tkjit.errors import TensorError, TkjitError
+from tkjit.errors import ConfigError, TensorError, TkjitError
 
 _ARCH_RE = re.compile(r"^(sm_[1-9][0-9]{1,2}[af]?|cpu)$")
 
@@ -92,3 +92,33 @@ def gpu_name() -> str | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def device_limits(arch: str) -> dict[str, int] | None:
+    """The GPU that kernels for `arch` run on, as far as a grid whose blocks must all be resident needs
+    it: {"sms": its SM count}. TKJIT_NUM_SMS names the count (a build host cross-compiling for a fleet);
+    otherwise the current GPU's, when its arch is `arch`. None where unknown (no GPU, another arch, the
+    C target): the specs' own bounds (an H200's) then apply."""
+    if arch == "cpu":
+        return None
+    env = envs.NUM_SMS.get()
+    if env:
+        try:
+            sms = int(env.strip())
+        except ValueError:
+            sms = 0
+        if not 1 <= sms <= 4096:
+            raise ConfigError(f"{envs.NUM_SMS.name}={env!r} is not valid: expected the GPU's SM count, e.g. 132")
+        return {"sms": sms}
+    if current_arch() != arch:
+        return None
+    import torch
+
+    return {"sms": _sm_count(torch.cuda.current_device())}
+
+
+@functools.lru_cache(maxsize=64)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)

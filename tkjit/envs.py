@@ -31,6 +31,11 @@ CACHE_MAX_BYTES = EnvVar("TKJIT_CACHE_MAX_BYTES", None, "size cap of the cache; 
 NVCC = EnvVar("TKJIT_NVCC", None, "nvcc to use and key on (default: CUDA_HOME/bin/nvcc or PATH)")
 NO_TUNED_DB = EnvVar("TKJIT_NO_TUNED_DB", "0", "1: ignore tuned databases, serve heuristic defaults")
 GPU_NAME = EnvVar("TKJIT_GPU_NAME", None, "GPU model for tuning-DB lookup (default: the current GPU)")
+NUM_SMS = EnvVar(
+    "TKJIT_NUM_SMS", None,
+    "SM count of the GPUs the kernels will run on, for persistent grids that must fit them (default: the "
+    "current GPU's). Set it when cross-compiling for a fleet of smaller GPUs of the arch (an H20: 78)",
+)
 TUNING_DB = EnvVar("TKJIT_TUNING_DB", None, "shipped tuning DB directory (default: tkjit/tuning_db_data, package data)")
 LOG = EnvVar(
     "TKJIT_LOG", "warning",
@@ -60,7 +65,7 @@ EXACT_MATH = EnvVar(
 )
 
 REGISTRY: tuple[EnvVar, ...] = (
-    CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, TUNING_DB, LOG,
+    CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, NUM_SMS, TUNING_DB, LOG,
     PRINT_CONFIGS, DISABLE_JIT, CHECK_INDICES, EXACT_MATH,
 )
 

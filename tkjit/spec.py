@@ -313,6 +313,9 @@ class KernelSpec:
     # (arch, config, shape) -> reason or None: what a target cannot lower (e.g. the C target)
     arch_constraint: Callable[[str, Config, Shape], str | None] = lambda arch, config, shape: None
     pass_configs: Callable[[Config], dict[str, Any]] = lambda config: {}
+    # (shape, config, device) -> reason or None: a config the GPU it runs on cannot launch, for kernels whose
+    # blocks must all be resident at once (a cooperative grid). device: `tkjit.arch.device_limits`.
+    device_constraint: Callable[[Shape, Config, Mapping[str, int]], str | None] | None = None
     tolerance: Tolerance = field(default_factory=Tolerance)
     flops: Callable[[Shape], int] | None = None
     check_shape: Callable[[Shape], str | None] = lambda shape: None  # cross-param rules

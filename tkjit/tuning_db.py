@@ -497,8 +497,13 @@ def choose_config(
     nearest tuned bucket -> the spec's heuristic default. exact (TKJIT_EXACT_MATH): a chosen config that
     uses fast math or reciprocals gets the spec's `exact` overrides (source "...+exact"); an explicit
     config is the caller's choice and is served as given."""
+    device = _device_of(spec, arch)
     if config is not None:
-        return spec.check_config(full, config, arch), "explicit"
+        cfg = spec.check_config(full, config, arch)
+        reason = device and spec.device_constraint(full, cfg, device)
+        if reason:
+            raise ConfigError(f"{spec.name}: config {cfg} does not fit this GPU ({device['sms']} SMs): {reason}")
+        return cfg, "explicit"
     cfg, source = None, "default"
     found = lookup(spec, full, arch)
     if found is not None:
@@ -506,11 +511,43 @@ def choose_config(
             cfg, source = spec.check_config(full, found[0], arch), found[1]
         except ConfigError as e:  # a DB written for an older space: say so, serve the default
             warnings.warn(f"tkjit: ignoring tuned config from {found[1]}: {e}", stacklevel=3)
+        reason = cfg and device and spec.device_constraint(full, cfg, device)
+        if reason:  # tuned on a GPU with more SMs (a model without its own file uses the arch's others)
+            _log.info("%s: tuned config %s from %s does not fit this GPU (%d SMs): %s; serving the default",
+                     spec.name, cfg, source, device["sms"], reason)
+            cfg, source = None, "default"
     if cfg is None:
         cfg = spec.default_config(full, arch)
+        if device and spec.device_constraint(full, cfg, device):
+            cfg, source = nearest_fitting(spec, full, arch, cfg, device), "default+fit"
     if exact and any(cfg.get(k) != v for k, v in spec.exact.items()):
         return _exact_config(spec, full, arch, cfg), f"{source}+exact"
     return cfg, source
+
+
+def _device_of(spec: KernelSpec, arch: str) -> dict[str, int] | None:
+    """The GPU limits a spec with a device constraint must fit (None: no such constraint, or not known)."""
+    if spec.device_constraint is None:
+        return None
+    from tkjit.arch import device_limits
+
+    return device_limits(arch)
+
+
+def nearest_fitting(spec: KernelSpec, full: dict[str, Any], arch: str, cfg: dict[str, Any],
+                    device: Mapping[str, int]) -> dict[str, Any]:
+    """The allowed config that fits the GPU nearest cfg: the most tunables equal, then the nearest numeric
+    values (log2 distance: 66 blocks before 8 for a default of 132). A default sized for an H200 on a GPU
+    with fewer SMs."""
+    ok = [c for c in spec.configs(full, arch) if not spec.device_constraint(full, c, device)]
+    if not ok:
+        raise ConfigError(f"{spec.name}: no config of the space fits this GPU ({device['sms']} SMs) at {full}")
+
+    def distance(c: dict[str, Any]) -> float:
+        return sum(abs(math.log2(c[k] / v)) for k, v in cfg.items()
+                   if isinstance(v, int) and not isinstance(v, bool) and v > 0 and c[k] > 0)
+
+    return min(ok, key=lambda c: (-sum(c[k] == v for k, v in cfg.items()), distance(c)))
 
 
 def _exact_config(spec: KernelSpec, full: dict[str, Any], arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

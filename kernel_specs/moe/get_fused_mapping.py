@@ -88,6 +88,20 @@ def constraint(shape, c):
     return None
 
 
+SMEM_PER_SM = 228 * 1024  # an sm_90 SM's shared memory
+
+
+def device_constraint(shape, c, device):
+    """The grid (at most `blocks`) must be resident at once on the GPU at hand: per SM, as many blocks as
+    1024 threads (64 registers a thread) and the shared memory hold, at least one."""
+    smem = (c["threads"] // 32) * shape["num_experts"] * 4
+    per_sm = max(1, min(1024 // c["threads"], SMEM_PER_SM // smem))
+    if c["blocks"] > device["sms"] * per_sm:
+        return (f"blocks={c['blocks']} > {device['sms']} SMs x {per_sm} resident blocks of {c['threads']} threads: "
+                "a cooperative grid must be co-resident")
+    return None
+
+
 def arch_constraint(arch, c, shape):
     if arch == "cpu":
         return "needs warp match/shuffle and a grid barrier (cooperative launch): CUDA targets only"
@@ -356,6 +370,7 @@ SPEC = register(
         default=default,
         constraint=constraint,
         arch_constraint=arch_constraint,
+        device_constraint=device_constraint,
         build=build,
         pass_configs=pass_configs,
         inputs=(

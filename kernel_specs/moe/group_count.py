@@ -30,7 +30,9 @@ Layouts (`layout`):
         the counting orders the zeroing before any atomic. No output needs a fill before the
         launch, so a call is ONE launch (TileKernels' is two: torch.zeros, then the kernel). All
         blocks must be co-resident: blocks * threads <= 132 * 1024 (an H200's SMs at 1024
-        threads, 64 registers a thread; a launch that does not fit is a CUDA error, never a hang).
+        threads, 64 registers a thread; a launch that does not fit is a CUDA error, never a hang). On a
+        GPU with fewer SMs the bound is its own (`device_constraint`): a config that does not fit is not
+        served there.
         aux_fi with blocks > 1: the blocks add their counts into the int32 `counts` output; each
         block then takes a ticket (counts[num_experts], an acq_rel atomic after a fence), and the
         block that takes the last one computes every fi from the grid's totals and sets the ticket
@@ -54,7 +56,8 @@ SPACE = {
     "threads": (128, 256, 512, 1024),
     "vec": (1, 2, 8),
 }
-COOP_THREADS = 132 * 1024  # blocks * threads of a cooperative grid (blocks > 1): co-resident on an H200
+H200_SMS = 132
+COOP_THREADS_PER_SM = 1024  # resident threads of an SM at 64 registers a thread (the kernels use 20-30)
 
 
 def _params(ids: str, ids_doc: str) -> tuple:
@@ -83,9 +86,18 @@ def default(shape: dict) -> dict:
 def constraint(shape: dict, c: dict) -> str | None:
     if c["layout"] == "loop" and (c["blocks"], c["threads"], c["vec"]) != (1, 128, 1):
         return "layout=loop is one thread: blocks=1, threads=128, vec=1 only (other values duplicate it)"
-    if c["blocks"] > 1 and c["blocks"] * c["threads"] > COOP_THREADS:
-        return (f"blocks * threads = {c['blocks'] * c['threads']} > {COOP_THREADS}: a cooperative grid (blocks > 1) "
-                "must be co-resident")
+    return _coop_fit(c, H200_SMS)
+
+
+def device_constraint(shape: dict, c: dict, device: dict) -> str | None:
+    return _coop_fit(c, device["sms"])
+
+
+def _coop_fit(c: dict, sms: int) -> str | None:
+    """A cooperative grid (blocks > 1) must be resident at once: blocks * threads <= sms * 1024."""
+    if c["blocks"] > 1 and c["blocks"] * c["threads"] > sms * COOP_THREADS_PER_SM:
+        return (f"blocks * threads = {c['blocks'] * c['threads']} > {sms * COOP_THREADS_PER_SM}: a cooperative grid "
+                f"(blocks > 1) must be co-resident ({sms} SMs at {COOP_THREADS_PER_SM} threads)")
     return None
 
 
@@ -321,6 +333,7 @@ COMMON = dict(
     default=default,
     constraint=constraint,
     arch_constraint=arch_constraint,
+    device_constraint=device_constraint,
     pass_configs=pass_configs,
     tolerance=Tolerance(exact=True),
 )

@@ -40,12 +40,21 @@ class Space:
         *,
         only: Sequence[Mapping[str, Any]] | None = None,
         max_configs: int | None = None,
+        device: Mapping[str, int] | None = None,
     ) -> None:
         self.spec = spec
         self.shape = dict(shape)
         self.arch = arch
         allowed = spec.configs(self.shape, arch)
         self.default = spec.default_config(self.shape, arch)
+        if device is not None and spec.device_constraint is not None:
+            # The bench GPU's limits (a cooperative grid must be resident at once): what it cannot launch
+            # is not a candidate, and the baseline is the config `tkjit.get` serves there.
+            from tkjit.tuning_db import nearest_fitting
+
+            allowed = [c for c in allowed if not spec.device_constraint(self.shape, c, device)]
+            if spec.device_constraint(self.shape, self.default, device):
+                self.default = nearest_fitting(spec, self.shape, arch, self.default, device)
         if only is not None:
             wanted = {config_id(spec.check_config(self.shape, c, arch)) for c in only}
             allowed = [c for c in allowed if config_id(c) in wanted]

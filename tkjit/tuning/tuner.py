@@ -397,18 +397,20 @@ def tune(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     spec = get_spec(kernel) if isinstance(kernel, str) else kernel
     full, static, bucket = tuning_shape(spec, shape)
-    space = Space(spec, full, arch, only=only, max_configs=max_configs)
+    space = Space(spec, full, arch, only=only, max_configs=max_configs)  # bad `only` configs fail here, early
     own_eval = evaluator is None
     if evaluator is None:
         evaluator = LocalEvaluator(arch)
     try:
+        info = evaluator.device_info() if hasattr(evaluator, "device_info") else {}
         if gpu is None:
             from tkjit.tuning_db import gpu_model
 
-            info = evaluator.device_info() if hasattr(evaluator, "device_info") else {}
             if arch != "cpu" and info.get("arch") and info["arch"] != arch:
                 raise RuntimeError(f"tuning for {arch} but the bench GPU is {info['arch']} ({info.get('gpu')})")
             gpu = gpu_model(arch, info.get("gpu"))
+        if info.get("sms") and spec.device_constraint is not None:  # what the bench GPU can launch
+            space = Space(spec, full, arch, only=only, max_configs=max_configs, device={"sms": info["sms"]})
         n_allowed = len(space)
         if mode == "auto":
             mode = "exhaustive" if n_allowed <= exhaustive_max else "tpe"

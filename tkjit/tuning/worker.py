@@ -70,6 +70,7 @@ class _Child:
 
             info["gpu"] = torch.cuda.get_device_name()
             info["arch"] = current_arch()
+            info["sms"] = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         return info
 
     def _kernel(self, name: str, shape: dict, config: dict, arch: str):
