@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tkjit import envs
 from tkjit.cache import DISK_ERRNOS, KEY_FIELDS, Cache, Entry, PublishFailed
-from tkjit.errors import CacheError, JitDisabledError
+from tkjit.errors import CacheError, CompileError, JitDisabledError
 from tkjit.fs import private_tempdir
 from tkjit.key import key_material, key_of
-from tkjit.spec import KernelSpec
+from tkjit.spec import KernelSpec, source_changed_since_import
 
 log = logging.getLogger("tkjit.build")
 
@@ -128,6 +128,12 @@ def ensure_entry(
         except BaseException as e:
             build_error.append(e)
             raise
+        if source_changed_since_import(spec):
+            # Never publish a binary that may come from other source than its key names.
+            raise CompileError(
+                f"{spec.name}: its source files were edited after this process imported them; the build may "
+                "not match its cache key, so it was not kept: restart the process to build from the new source"
+            )
         extra["compile_s"] = round(time.perf_counter() - t0, 3)
         built.append(extra["compile_s"])
         if report is not None:

@@ -454,6 +454,18 @@ def source_hash_of(obj: Any) -> str:
     return h.hexdigest()[:16]
 
 
+_derived_hashes: dict[Any, str] = {}  # builder -> the source hash `validate` derived for it at import
+
+
+def source_changed_since_import(spec: KernelSpec) -> bool:
+    """Whether the files a spec's key hashes were edited since the spec was imported. TileLang parses a
+    builder's source from disk when it builds, so after such an edit the binary may come from the new
+    text while the key (and the code running in this process) names the old one. Only for a hash derived
+    from the source (an explicit `source_hash` is the spec author's)."""
+    then = _derived_hashes.get(spec.build)
+    return then is not None and then == spec.source_hash and source_hash_of(spec.build) != then
+
+
 # An import statement at the start of a line (indented too: imports inside functions count). Read
 # from the text, not parsed (ast.parse costs milliseconds per spec module on a cold start); text that
 # only looks like an import (in a docstring) can only add a module to the hash, never drop one.
@@ -610,4 +622,4 @@ def validate(spec: KernelSpec) -> None:
         except (ShapeError, ConfigError) as e:
             raise SpecError(f"{spec.name}: example {ex} or its default config is invalid: {e}") from None
     if not spec.source_hash:
-        spec.source_hash = source_hash_of(spec.build)
+        spec.source_hash = _derived_hashes[spec.build] = source_hash_of(spec.build)
