@@ -66,11 +66,11 @@ class _Child:
         if self.device == "cuda":
             import torch
 
-            from tkjit.arch import current_arch
+            from tkjit.arch import current_arch, device_limits
 
             info["gpu"] = torch.cuda.get_device_name()
             info["arch"] = current_arch()
-            info["sms"] = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            info["sms"] = (device_limits(info["arch"]) or {}).get("sms")  # what `tkjit.get` fits grids to
         return info
 
     def _kernel(self, name: str, shape: dict, config: dict, arch: str):
