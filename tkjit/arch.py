@@ -10,7 +10,7 @@ import functools
 import re
 
 from tkjit import envs
-from tkjit.errors import ConfigError, TensorError, TkjitError
+from tkjit.errors import TensorError, TkjitError
 
 _ARCH_RE = re.compile(r"^(sm_[1-9][0-9]{1,2}[af]?|cpu)$")
 
@@ -101,14 +101,8 @@ def device_limits(arch: str) -> dict[str, int] | None:
     C target): the specs' own bounds (an H200's) then apply."""
     if arch == "cpu":
         return None
-    env = envs.NUM_SMS.get()
-    if env:
-        try:
-            sms = int(env.strip())
-        except ValueError:
-            sms = 0
-        if not 1 <= sms <= 4096:
-            raise ConfigError(f"{envs.NUM_SMS.name}={env!r} is not valid: expected the GPU's SM count, e.g. 132")
+    sms = envs.count(envs.NUM_SMS, "the GPU's SM count, e.g. 132")
+    if sms is not None:
         return {"sms": sms}
     if current_arch() != arch:
         return None

@@ -76,6 +76,21 @@ def flag(var: EnvVar) -> bool:
     return (var.get() or "").lower() in ("1", "true", "yes", "on")
 
 
+def count(var: EnvVar, expected: str) -> int | None:
+    """An env var holding a count in [1, 4096]; None when unset. Anything else is an error naming the
+    variable, its value and what was `expected` (e.g. "the GPU's SM count, e.g. 132")."""
+    text = var.get()
+    if not text:
+        return None
+    try:
+        n = int(text.strip())
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 4096:
+        raise ConfigError(f"{var.name}={text!r} is not valid: expected {expected}")
+    return n
+
+
 def log_level() -> int:
     """The `logging` level TKJIT_LOG names; a typo is an error, not silently the default."""
     text = LOG.get() or "warning"

@@ -18,19 +18,12 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from tkjit import envs
-from tkjit.errors import ConfigError
 from tkjit.procs import die_with_parent, exit_status
 
 
 def default_jobs() -> int:
-    env = envs.JOBS.get()
-    if env:
-        try:
-            n = int(env.strip())
-        except ValueError:
-            n = 0
-        if not 1 <= n <= 4096:
-            raise ConfigError(f"TKJIT_JOBS={env!r} is not valid: expected a number of processes >= 1, e.g. 4")
+    n = envs.count(envs.JOBS, "a number of processes >= 1, e.g. 4")
+    if n is not None:
         return n
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
