@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only
+from tkjit_kernels.quant._scale import scale_macro, ue8m0_ceil
 
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
@@ -107,7 +108,7 @@ def reference_blocks(shape, x):
     full = torch.full_like(amax, FP8_MAX)
     sf = amax / full
     if shape["round_scale"]:
-        sf = ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+        sf = ue8m0_ceil(sf)
         inv = torch.ones_like(sf) / sf
     else:
         inv = full / amax
@@ -151,17 +152,12 @@ def scale_blocks(round_scale: bool):
     from tilelang import language as T
 
     f32 = T.float32
+    group_scale = scale_macro(T, max_value=FP8_MAX, round_scale=round_scale)
 
     @T.macro
     def scale_and_inv(amax, sf, inv, e):
         amax[e] = T.max(amax[e], f32(AMAX_MIN))
-        sf[e] = T.ieee_fdiv(amax[e], f32(FP8_MAX))
-        if round_scale:
-            # 2^ceil(log2(sf)): add all-ones mantissa, keep the exponent (sf > 0, normal).
-            sf[e] = T.reinterpret((T.reinterpret(sf[e], T.uint32) + T.uint32(0x007FFFFF)) & T.uint32(0x7F800000), f32)
-            inv[e] = T.ieee_fdiv(f32(1.0), sf[e])
-        else:
-            inv[e] = T.ieee_fdiv(f32(FP8_MAX), amax[e])
+        group_scale(amax, sf, inv, e)
 
     def quantise(v, inv_e):
         return T.cast(T.max(T.min(T.cast(v, f32) * inv_e, f32(FP8_MAX)), f32(-FP8_MAX)), T.float8_e4m3fn)

@@ -54,6 +54,7 @@ import torch
 from tkjit.registry import register
 from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
+from tkjit_kernels.quant._scale import scale_macro, ue8m0_ceil
 
 BLOCKS_M = (1, 32, 64, 128)  # TileKernels' per_block_cast takes 32 and 128; 1 and 64 come free
 BLOCKS_K = (32, 64, 128)
@@ -183,6 +184,7 @@ def _build(shape, c, layout):
         sf_shape = (NBK, T.ceildiv(nbm, TMA_ALIGN) * TMA_ALIGN)
     else:
         sf_shape = (nbm, NBK)
+    group_scale = scale_macro(T, max_value=FP8_MAX, round_scale=round_scale)
 
     @T.macro
     def body(x, out, scales):
@@ -224,15 +226,7 @@ def _build(shape, c, layout):
                     for w in T.unroll(nw):
                         amax[0] = T.max(amax[0], red[w * nbw + j])
                 amax[0] = T.max(amax[0], T.float32(AMAX_MIN))
-                sf[0] = T.ieee_fdiv(amax[0], T.float32(FP8_MAX))
-                if round_scale:
-                    # 2^ceil(log2(sf)): add all-ones mantissa, keep the exponent (sf > 0, normal).
-                    sf[0] = T.reinterpret(
-                        (T.reinterpret(sf[0], T.uint32) + T.uint32(0x007FFFFF)) & T.uint32(0x7F800000), f32
-                    )
-                    inv[0] = T.ieee_fdiv(T.float32(1.0), sf[0])
-                else:
-                    inv[0] = T.ieee_fdiv(T.float32(FP8_MAX), amax[0])
+                group_scale(amax, sf, inv, 0)
                 if tx < cpr and cc % cb == 0 and chunk < HC:  # the block's first chunk, in a real block
                     if layout == "col":
                         scales[jb, rb] = sf[0]
@@ -299,7 +293,7 @@ def scales_and_inverses(shape, x):
     full = torch.full_like(amax, FP8_MAX)
     sf = amax / full
     if shape["round_scale"]:
-        sf = ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+        sf = ue8m0_ceil(sf)
         return sf, torch.ones_like(sf) / sf
     return sf, full / amax
 

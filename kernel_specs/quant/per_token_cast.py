@@ -57,6 +57,7 @@ from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
 from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
 from tkjit_kernels.quant._layouts import register_scale_layouts
+from tkjit_kernels.quant._scale import scale_macro, token_scale_store_macro, ue8m0_ceil
 
 GROUPS = (16, 32, 64, 128)  # TileKernels' per-group sizes (besides group == hidden)
 FP8_MAX = 448.0
@@ -155,6 +156,9 @@ def build(shape, c, col_major):
     # Column-major scales: (NG, num_tokens rounded up to TMA_ALIGN), the same expression as the
     # TensorArg's Align("num_tokens", TMA_ALIGN), so the launcher's shape check binds it.
     sf_shape = (NG, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, NG)
+    group_scale = scale_macro(T, max_value=FP8_MAX, round_scale=round_scale)
+    store_scale = token_scale_store_macro(T, col_major=col_major, groups=NG, tma_align=TMA_ALIGN,
+                                          padded_tokens=sf_shape[1])
 
     x_stride = T.dynamic(stride_name("x", 0))  # x's row stride: x may be a view such as buf[:, :hidden]
 
@@ -185,15 +189,7 @@ def build(shape, c, col_major):
                 group_load(xs, x, row, col, t)
                 group_amax(xs, amax, red if wpg > 1 else None, tx)
                 amax[0] = T.max(amax[0], T.float32(AMAX_MIN))
-                sf[0] = T.ieee_fdiv(amax[0], T.float32(FP8_MAX))
-                if round_scale:
-                    # 2^ceil(log2(sf)): add all-ones mantissa, keep the exponent (sf > 0, normal).
-                    sf[0] = T.reinterpret(
-                        (T.reinterpret(sf[0], T.uint32) + T.uint32(0x007FFFFF)) & T.uint32(0x7F800000), f32
-                    )
-                    inv[0] = T.ieee_fdiv(T.float32(1.0), sf[0])
-                else:
-                    inv[0] = T.ieee_fdiv(T.float32(FP8_MAX), amax[0])
+                group_scale(amax, sf, inv, 0)
                 if p < total:
                     for i in T.unroll(whole):
                         for v in T.vectorized(vec):
@@ -216,14 +212,7 @@ def build(shape, c, col_major):
                                         fp8,
                                     )
                     if t == 0:
-                        if col_major:
-                            scales[pc % NG, row] = sf[0]
-                            if row == num_tokens - 1:  # the last token's owner zeroes its column's padding
-                                for j in T.unroll(1, TMA_ALIGN):
-                                    if row + j < sf_shape[1]:
-                                        scales[pc % NG, row + j] = T.float32(0)
-                        else:
-                            scales[row, pc % NG] = sf[0]
+                        store_scale(scales, sf, pc, row, num_tokens)
 
     return per_token_cast
 
@@ -256,7 +245,7 @@ def reference(shape, x):
     full = torch.full_like(amax, FP8_MAX)
     sf = amax / full
     if shape["round_scale"]:
-        sf = ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+        sf = ue8m0_ceil(sf)
         inv = torch.ones_like(sf) / sf
     else:
         inv = full / amax

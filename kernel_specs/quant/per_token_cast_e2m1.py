@@ -30,6 +30,7 @@ from tkjit_kernels.quant import _e2m1
 from tkjit_kernels.quant import per_token_cast as _e4m3
 from tkjit_kernels.quant._group_amax import group_amax_macro, group_load_macro, group_slots
 from tkjit_kernels.quant._layouts import register_scale_layouts
+from tkjit_kernels.quant._scale import scale_macro, token_scale_store_macro, ue8m0_ceil
 
 num_groups = _e4m3.num_groups
 
@@ -54,6 +55,9 @@ def build(shape, c, col_major):
     num_tokens = T.dynamic("num_tokens")
     f32, u32, i8 = T.float32, T.uint32, T.int8
     sf_shape = (NG, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, NG)
+    group_scale = scale_macro(T, max_value=_e2m1.E2M1_MAX, round_scale=round_scale)
+    store_scale = token_scale_store_macro(T, col_major=col_major, groups=NG, tma_align=TMA_ALIGN,
+                                          padded_tokens=sf_shape[1])
     x_stride = T.dynamic(stride_name("x", 0))
 
     @T.macro
@@ -96,13 +100,7 @@ def build(shape, c, col_major):
                 group_amax(xs, amax, red if wpg > 1 else None, tx)
                 # The clamp as its bits: 6 * 2^-126 exactly, whatever decimal a literal would print.
                 amax[0] = T.max(amax[0], T.reinterpret(u32(_e2m1.AMAX_MIN_BITS), f32))
-                sf[0] = T.ieee_fdiv(amax[0], T.float32(_e2m1.E2M1_MAX))
-                if round_scale:
-                    # 2^ceil(log2(sf)): add all-ones mantissa, keep the exponent (sf >= 2^-126: normal).
-                    sf[0] = T.reinterpret((T.reinterpret(sf[0], u32) + u32(0x007FFFFF)) & u32(0x7F800000), f32)
-                    inv[0] = T.ieee_fdiv(T.float32(1.0), sf[0])
-                else:
-                    inv[0] = T.ieee_fdiv(T.float32(_e2m1.E2M1_MAX), amax[0])
+                group_scale(amax, sf, inv, 0)  # (sf >= 2^-126: normal)
                 if p < total:
                     for i in T.unroll(whole):
                         cast_store(out, xs, bits, ob, inv, row, col, i, t)
@@ -111,14 +109,7 @@ def build(shape, c, col_major):
                             if col + (i * tpg + t) * vec < H:
                                 cast_store(out, xs, bits, ob, inv, row, col, i, t)
                     if t == 0:
-                        if col_major:
-                            scales[pc % NG, row] = sf[0]
-                            if row == num_tokens - 1:  # the last token's owner zeroes its column's padding
-                                for j in T.unroll(1, TMA_ALIGN):
-                                    if row + j < sf_shape[1]:
-                                        scales[pc % NG, row + j] = T.float32(0)
-                        else:
-                            scales[row, pc % NG] = sf[0]
+                        store_scale(scales, sf, pc, row, num_tokens)
 
     return per_token_cast_e2m1
 
@@ -152,7 +143,7 @@ def scales_of(shape, x):
     top = torch.full_like(amax, _e2m1.E2M1_MAX)
     sf = amax / top
     if shape["round_scale"]:
-        sf = ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+        sf = ue8m0_ceil(sf)
         return sf, torch.ones_like(sf) / sf, xf
     return sf, top / amax, xf
 

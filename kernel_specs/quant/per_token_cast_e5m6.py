@@ -35,6 +35,7 @@ from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only, plain_t
 from tkjit_kernels.quant import _e5m6
 from tkjit_kernels.quant._group_amax import group_amax_macro
 from tkjit_kernels.quant._layouts import register_scale_layouts
+from tkjit_kernels.quant._scale import token_scale_store_macro
 from tkjit_kernels.quant.per_token_cast import MAX_ELEMS_PER_THREAD
 
 SPACE = {
@@ -130,6 +131,8 @@ def build(shape, c, col_major):
     num_tokens = T.dynamic("num_tokens")
     f32, u32 = T.float32, T.uint32
     sf_shape = (1, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, 1)
+    store_scale = token_scale_store_macro(T, col_major=col_major, groups=None, tma_align=TMA_ALIGN,
+                                          padded_tokens=sf_shape[1])
     x_stride = T.dynamic(stride_name("x", 0))
     xa = x_align(shape, c) // _elem_bytes(shape)  # elements per aligned load
 
@@ -207,14 +210,7 @@ def build(shape, c, col_major):
                             if i * tpg + t < C:
                                 encode_store(out, xs, bits, codes, words, inv, row, i, t)
                     if t == 0:
-                        if col_major:
-                            scales[0, row] = sf[0]
-                            if row == num_tokens - 1:  # the last token's owner zeroes the padding
-                                for j in T.unroll(1, TMA_ALIGN):
-                                    if row + j < sf_shape[1]:
-                                        scales[0, row + j] = T.float32(0)
-                        else:
-                            scales[row, 0] = sf[0]
+                        store_scale(scales, sf, row, row, num_tokens)
 
     return per_token_cast_e5m6
 

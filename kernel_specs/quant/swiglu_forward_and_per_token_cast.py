@@ -37,6 +37,7 @@ from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only, ieee_pl
 from tkjit_kernels.quant import per_token_cast as ptc
 from tkjit_kernels.quant._group_amax import group_amax_macro
 from tkjit_kernels.quant._layouts import register_scale_layouts
+from tkjit_kernels.quant._scale import scale_macro, token_scale_store_macro, ue8m0_ceil
 
 FP8_MAX = ptc.FP8_MAX
 GROUPS = ptc.GROUPS
@@ -115,6 +116,9 @@ def build(shape, c, col_major):
     num_weights = T.dynamic("num_weights")
     fp32, fp8, i32, u32 = T.float32, T.float8_e4m3fn, T.int32, T.uint32
     sf_shape = (NG, T.ceildiv(num_tokens, TMA_ALIGN) * TMA_ALIGN) if col_major else (num_tokens, NG)
+    group_scale = scale_macro(T, max_value=FP8_MAX, round_scale=round_scale)
+    store_scale = token_scale_store_macro(T, col_major=col_major, groups=NG, tma_align=TMA_ALIGN,
+                                          padded_tokens=sf_shape[1])
 
     def const(v):  # a float32 constant by its bits: never a decimal rounded twice on its way into the source
         return T.reinterpret(u32(_f32_bits(v)), fp32)
@@ -194,12 +198,7 @@ def build(shape, c, col_major):
                             ys[i * vec + v] = ys[i * vec + v] * w[0]
                 group_amax(ys, amax, red if wpg > 1 else None, tx)
                 amax[0] = T.max(amax[0], const(f32(shape["sf_clamp_min"])))
-                sf[0] = T.ieee_fdiv(amax[0], T.float32(FP8_MAX))
-                if round_scale:
-                    sf[0] = T.reinterpret((T.reinterpret(sf[0], u32) + u32(0x007FFFFF)) & u32(0x7F800000), fp32)
-                    inv[0] = T.ieee_fdiv(T.float32(1.0), sf[0])
-                else:
-                    inv[0] = T.ieee_fdiv(T.float32(FP8_MAX), amax[0])
+                group_scale(amax, sf, inv, 0)
                 if p < total:
                     for i in T.unroll(cpt):
                         for v in T.vectorized(vec):
@@ -208,14 +207,7 @@ def build(shape, c, col_major):
                                 fp8,
                             )
                     if t == 0:
-                        if col_major:
-                            scales[pc % NG, row] = sf[0]
-                            if row == num_tokens - 1:  # the last token's owner zeroes its column's padding
-                                for j in T.unroll(1, TMA_ALIGN):
-                                    if row + j < sf_shape[1]:
-                                        scales[pc % NG, row + j] = T.float32(0)
-                        else:
-                            scales[row, pc % NG] = sf[0]
+                        store_scale(scales, sf, pc, row, num_tokens)
             if count:
                 # The block's counts: a warp butterfly, one shared slot per warp, one atomic per counter.
                 for k in T.unroll(3):
@@ -310,7 +302,7 @@ def cast(shape, y):
     full = torch.full_like(amax, FP8_MAX)
     sf = amax / full
     if shape["round_scale"]:
-        sf = ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+        sf = ue8m0_ceil(sf)
         inv = torch.ones_like(sf) / sf
     else:
         inv = full / amax
