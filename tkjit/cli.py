@@ -495,7 +495,9 @@ def cmd_doctor(args) -> int:
         import torch
 
         torch_v = torch.__version__
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+        gpu = "none"
+        if torch.cuda.is_available():  # the SM count: what persistent (cooperative) grids are fitted to
+            gpu = f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)"
     except Exception as e:  # doctor reports, it does not fail
         torch_v, gpu = f"unavailable ({e})", "none"
     arch = current_arch() if gpu != "none" else None
