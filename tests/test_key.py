@@ -137,3 +137,31 @@ def test_any_input_change_gives_a_new_key(monkeypatch):
 def test_key_has_no_absolute_paths(cache_dir):
     material = json.dumps(key.key_material("s", "h", {}, {}, {}, "sm_90a"))
     assert str(cache_dir) not in material and "/work" not in material and "/usr" not in material
+
+
+def _fake_nvcc(bin_dir, version, log):
+    bin_dir.mkdir(parents=True)
+    nvcc = bin_dir / "nvcc"
+    nvcc.write_text(f'#!/bin/sh\necho ran >> {log}\necho "Cuda compilation tools, release X, V{version}"\n')
+    nvcc.chmod(0o755)
+    return str(nvcc)
+
+
+def test_nvcc_version_from_the_wheel_record_without_running_it(tmp_path):
+    from tkjit.key import nvcc_version_of
+
+    log = tmp_path / "ran.log"
+    # A toolkit assembled from the nvcc wheels (records in <home>/dist-info), and a pip install
+    # (site-packages/nvidia/cu13/bin/nvcc beside site-packages/nvidia_cuda_nvcc-X.dist-info).
+    merged = _fake_nvcc(tmp_path / "cuda" / "bin", "1.0.0", log)
+    (tmp_path / "cuda" / "dist-info" / "nvidia_cuda_nvcc-13.0.88.dist-info").mkdir(parents=True)
+    site = tmp_path / "site-packages"
+    pip = _fake_nvcc(site / "nvidia" / "cu13" / "bin", "1.0.0", log)
+    (site / "nvidia_cuda_nvcc-13.1.2.dist-info").mkdir()
+    (site / "torch-2.11.0.dist-info").mkdir()
+    assert nvcc_version_of(merged) == "13.0.88" and nvcc_version_of(pip) == "13.1.2"
+    assert not log.exists()  # neither was started
+    # Two records do not say which nvcc this is: it is asked.
+    (site / "nvidia_cuda_nvcc_cu12-12.8.93.dist-info").mkdir()
+    other = _fake_nvcc(site / "nvidia" / "cuda_nvcc" / "bin", "12.8.93", log)
+    assert nvcc_version_of(other) == "12.8.93" and log.read_text().split() == ["ran"]

@@ -61,19 +61,40 @@ def nvcc_version_of(path: str | None) -> str:
     """The version of the nvcc at path ('none' without one): what the key records of a compiler."""
     if path is None:
         return "none"
-    # version.json beside bin/ answers in microseconds; `nvcc --version` takes a process start.
-    vj = Path(os.path.realpath(path)).parent.parent / "version.json"
+    # A toolkit's version.json, or a pip install's nvcc package record, answers in microseconds; `nvcc
+    # --version` takes a process start (milliseconds of every fresh process's first `get`).
+    home = Path(os.path.realpath(path)).parent.parent
     try:
-        data = json.loads(vj.read_text())
+        data = json.loads((home / "version.json").read_text())
         return str(data["cuda_nvcc"]["version"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    found = _nvcc_dist_version(home)
+    if found:
+        return found
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return "none"
     m = re.search(r"V(\d+\.\d+\.\d+)", out)
     return m.group(1) if m else "unknown"
+
+
+_DIST_RE = re.compile(r"nvidia_cuda_nvcc(?:_cu\d+)?-(\d+\.\d+\.\d+)\.dist-info")
+
+
+def _nvcc_dist_version(home: Path) -> str | None:
+    """The version of the nvcc wheel that installed the toolkit at home: its dist-info sits in
+    home/dist-info (a toolkit assembled from the wheels) or in the site-packages holding home
+    (nvidia/cu13 or nvidia/cuda_nvcc). One record only: two would not say which nvcc this is."""
+    for where in (home / "dist-info", home.parent.parent, home.parent):
+        try:
+            names = [m.group(1) for e in os.scandir(where) if (m := _DIST_RE.fullmatch(e.name))]
+        except OSError:
+            continue
+        if len(names) == 1:
+            return names[0]
+    return None
 
 
 def nvcc_version() -> str:
