@@ -60,9 +60,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from tkjit import envs
 from tkjit.canon import canonical_json
@@ -249,8 +248,7 @@ _PINS: dict[str, int] = {}
 _pins_lock = threading.Lock()
 
 
-@dataclass
-class Entry:
+class Entry(NamedTuple):
     key: str
     path: Path
     manifest: dict[str, Any]
@@ -265,8 +263,7 @@ class Entry:
         return self.path / name
 
 
-@dataclass(frozen=True)
-class Cleared:
+class Cleared(NamedTuple):
     """What Cache.clear did: entries removed, and keys kept because in use or being built."""
 
     removed: int

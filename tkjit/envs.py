@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from tkjit.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class EnvVar:
+class EnvVar(NamedTuple):
     name: str
     default: str | None
     doc: str

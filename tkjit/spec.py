@@ -13,7 +13,7 @@ import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from tkjit.errors import ConfigError, ShapeError, SpecError, brief
 from tkjit.match import exact_index
@@ -36,8 +36,7 @@ def pow2_bucket(value: int) -> int:
     return 1 << max(0, int(value) - 1).bit_length()
 
 
-@dataclass(frozen=True)
-class Param:
+class Param(NamedTuple):
     """A shape parameter.
 
     static: compiled into the kernel (part of the cache key).
@@ -123,8 +122,7 @@ def Runtime(name: str, lo: int = 1, hi: int = 2**31 - 1, bucket=pow2_bucket, **k
     return Param(name, type=int, static=False, lo=lo, hi=hi, bucket=bucket, **kw)
 
 
-@dataclass(frozen=True)
-class Align:
+class Align(NamedTuple):
     """A dim equal to param `name` rounded up to a multiple (e.g. TMA-aligned scale rows)."""
 
     name: str
@@ -134,8 +132,7 @@ class Align:
         return -(-int(value) // self.multiple) * self.multiple
 
 
-@dataclass(frozen=True)
-class CeilDiv:
+class CeilDiv(NamedTuple):
     """A dim equal to ceil(param `name` / divisor), rounded up to a multiple: one entry per block of
     `divisor` rows (per-block scales: ceil(num_tokens / block_m) rows). divisor: an int or the name of a
     static int param (a block size compiled in)."""
@@ -176,8 +173,7 @@ def stride_name(arg: str, axis: int) -> str:
     return f"{arg}_stride{axis}"
 
 
-@dataclass(frozen=True)
-class TensorArg:
+class TensorArg(NamedTuple):
     """A tensor the kernel takes or returns. dims: param names, Align(name, m), ints, or shape -> int.
 
     strided: an input whose leading strides are runtime values (the builder declares it with
@@ -216,8 +212,7 @@ class TensorArg:
 _SCALAR_DTYPES = {int: ("int32", "int64"), float: ("float32", "float64"), bool: ("bool",)}
 
 
-@dataclass(frozen=True)
-class ScalarArg:
+class ScalarArg(NamedTuple):
     """A scalar the kernel takes at run time (not compiled in, not in the key): the builder declares it
     as a PrimFunc parameter after the tensors, in spec order (`alpha: T.float32`). type: int, float or
     bool; dtype: its C type, by default int32 / float32 / bool."""
@@ -231,8 +226,7 @@ class ScalarArg:
         return self.dtype or _SCALAR_DTYPES.get(self.type, ("",))[0]
 
 
-@dataclass(frozen=True)
-class Tolerance:
+class Tolerance(NamedTuple):
     """How a kernel output is compared with the reference. Integer outputs (indices, counts) are always
     compared exactly: a relative error says nothing about a wrong index."""
 

@@ -44,9 +44,8 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from tkjit import envs
 from tkjit.canon import canonical_json
@@ -182,8 +181,7 @@ def db_files(root: Path, arch: str, model: str) -> list[Path]:
 # ----------------------------------------------------------------------------------------------
 # loading and validation
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class DBFile:
+class DBFile(NamedTuple):
     path: Path
     doc: dict[str, Any]
     index: dict[tuple[str, str], list[tuple[dict, dict]]]  # (kernel, static) -> [(bucket, entry)]
@@ -397,8 +395,7 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     return None if found is None else (dict(found.entry["config"]), found.source)
 
 
-@dataclass
-class Found:
+class Found(NamedTuple):
     """A tuned entry `lookup` serves: the entry, its source label and the file it is in."""
 
     entry: dict[str, Any]
