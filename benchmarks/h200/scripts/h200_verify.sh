@@ -181,7 +181,7 @@ s9)
   tests1) FILES="per_channel_cast:not every_config;per_channel_cast_fused:not every_config;group_count;reduce_fused:not every_config;device_fit" ;;
   tests2) FILES="mhc_pre_big_fuse:not every_config;per_block_cast_lossless:not every_config;per_token_cast_e2m1:not every_config;mhc_pre_norm_fn:not every_config" ;;
   tests3) FILES="swiglu_forward_and_per_token_cast:not every_config;per_token_cast_with_precomputed_sf;mhc_multilayer_recompute:not every_config;mhc_functional" ;;
-  bench) KERNELS="per_channel_cast,per_channel_cast_fused,swiglu_forward_and_per_channel_cast,group_count,aux_fi,reduce_fused,get_fused_mapping,mhc_pre_big_fuse" ;;
+  bench) KERNELS="per_channel_cast,per_channel_cast_fused,swiglu_forward_and_per_channel_cast,group_count,aux_fi,reduce_fused,get_fused_mapping,mhc_pre_big_fuse,mhc_pre_norm_fn,mhc_multilayer_recompute" ;;
   *) echo "PART is tests1, tests2, tests3 or bench"; exit 2 ;;
   esac
   if [ "$PART" = bench ]; then
