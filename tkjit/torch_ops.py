@@ -1020,7 +1020,7 @@ def _block_static(name, x, block_m, block_k, round_scale=None) -> dict:
 
 
 def _block_cast(name, x, block_m, block_k, round_scale, config):
-    shape = {"num_tokens": max(1, x.shape[0]), **_block_static(name, x, block_m, block_k, round_scale)}
+    shape = {**_block_static(name, x, block_m, block_k, round_scale), "num_tokens": max(1, x.shape[0])}
     return get(name, shape, arch=arch_of(x), config=_config(config))(x)
 
 
@@ -1051,7 +1051,7 @@ per_block_cast, per_block_cast_colmajor = _op_pair(
 def per_block_cast_with_sf_impl(x, sf, block_m=128, block_k=128, config=None):
     """x (num_tokens, hidden) bf16/f32 and float32 scales (ceil(num_tokens / block_m), ceil(hidden / block_k))
     -> fp8 e4m3 values fp8(clamp(x / sf, -448, 448)) per block."""
-    shape = {"num_tokens": max(1, x.shape[0]), **_block_static("per_block_cast_with_sf", x, block_m, block_k)}
+    shape = {**_block_static("per_block_cast_with_sf", x, block_m, block_k), "num_tokens": max(1, x.shape[0])}
     return get("per_block_cast_with_sf", shape, arch=arch_of(x), config=_config(config))(x, sf)
 
 
@@ -1323,7 +1323,7 @@ def _mhc_post_static(name, x, residual) -> dict:
 
 def mhc_post_fwd_into(x, residual, post_layer_mix, comb_res_mix, config=None, out=None):
     """mhc_post_fwd's kernel call, into `out` (num_tokens, mhc, hidden) bfloat16 when given."""
-    shape = {"num_tokens": max(1, x.shape[0]), **_mhc_post_static("mhc_post_fwd", x, residual)}
+    shape = {**_mhc_post_static("mhc_post_fwd", x, residual), "num_tokens": max(1, x.shape[0])}
     k = get("mhc_post_fwd", shape, arch=arch_of(x), config=_config(config))
     return k(x, residual, post_layer_mix, comb_res_mix, out=out)
 
@@ -1360,7 +1360,7 @@ def _(x, residual, post_layer_mix, comb_res_mix, config=None, bwd_config=None):
 def mhc_post_bwd_impl(grad_out, x, residual, post_layer_mix, comb_res_mix, config=None):
     """(grad_x, grad_residual) bf16 and (grad_post_layer_mix, grad_comb_res_mix) float32 of mhc_post_fwd
     given grad_out = dL/d out (num_tokens, mhc, hidden) bf16."""
-    shape = {"num_tokens": max(1, x.shape[0]), **_mhc_post_static("mhc_post_bwd", x, residual)}
+    shape = {**_mhc_post_static("mhc_post_bwd", x, residual), "num_tokens": max(1, x.shape[0])}
     k = get("mhc_post_bwd", shape, arch=arch_of(x), config=_config(config))
     return k(grad_out, x, residual, post_layer_mix, comb_res_mix)
 
@@ -1419,7 +1419,7 @@ def _e5m6_static(name, x, round_scale) -> dict:
 
 
 def _e5m6_cast(name, x, round_scale, config):
-    shape = {"num_tokens": max(1, x.shape[0]), **_e5m6_static(name, x, round_scale)}
+    shape = {**_e5m6_static(name, x, round_scale), "num_tokens": max(1, x.shape[0])}
     return get(name, shape, arch=arch_of(x), config=_config(config))(x)
 
 
@@ -1616,7 +1616,7 @@ def _head_static(name, input_mix) -> dict:
 def mhc_head_compute_mix_impl(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None, bwd_config=None):
     """sigmoid(input_mix * mhc_scale + mhc_base) + mhc_pre_eps, float32 (num_tokens, mhc_mult); its gradient
     runs mhc_head_compute_mix_bwd (config bwd_config)."""
-    shape = {"num_tokens": max(1, int(input_mix.shape[0])), **_head_static("mhc_head_compute_mix", input_mix),
+    shape = {**_head_static("mhc_head_compute_mix", input_mix), "num_tokens": max(1, int(input_mix.shape[0])),
              "mhc_pre_eps": float(mhc_pre_eps)}
     return get("mhc_head_compute_mix", shape, arch=arch_of(input_mix), config=_config(config))(
         input_mix, mhc_scale, mhc_base)
@@ -1645,7 +1645,7 @@ def _(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None, bwd_config=None)
 
 def mhc_head_compute_mix_bwd_impl(output_mix_grad, input_mix, mhc_scale, mhc_base, config=None):
     """(input_mix_grad, mhc_scale_grad (1,), mhc_base_grad (mhc_mult,)) of mhc_head_compute_mix, float32."""
-    shape = {"num_tokens": max(1, int(input_mix.shape[0])), **_head_static("mhc_head_compute_mix_bwd", input_mix)}
+    shape = {**_head_static("mhc_head_compute_mix_bwd", input_mix), "num_tokens": max(1, int(input_mix.shape[0]))}
     k = get("mhc_head_compute_mix_bwd", shape, arch=arch_of(input_mix), config=_config(config))
     grad, scale_part, base_part = k(output_mix_grad, input_mix, mhc_scale, mhc_base)
     return grad, scale_part.sum(0), base_part.sum(0)
@@ -1681,9 +1681,9 @@ def mhc_pre_split_mixes_impl(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_pos
                              config=None, bwd_config=None):
     """(pre_layer_mix, post_layer_mix, comb_res_mix) float32 of input_mixes (num_tokens, 2m + m*m); its
     gradient runs mhc_pre_split_mixes_bwd (config bwd_config)."""
-    shape = {"num_tokens": max(1, int(input_mixes.shape[0])),
-             **_split_static("mhc_pre_split_mixes", input_mixes, mhc_mult),
-             "mhc_post_mult_value": float(mhc_post_mult_value), "mhc_pre_eps": float(mhc_pre_eps)}
+    shape = {**_split_static("mhc_pre_split_mixes", input_mixes, mhc_mult),
+             "num_tokens": max(1, int(input_mixes.shape[0])), "mhc_post_mult_value": float(mhc_post_mult_value),
+             "mhc_pre_eps": float(mhc_pre_eps)}
     return get("mhc_pre_split_mixes", shape, arch=arch_of(input_mixes), config=_config(config))(
         input_mixes, mhc_scale, mhc_base)
 
