@@ -69,6 +69,12 @@ def _need(x, ndim, what: str) -> None:
         raise TensorError(f"{what}: expected a {want} tensor, got {getattr(x, 'shape', type(x).__name__)}")
 
 
+def _need_dtype(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """TensorError unless t has `dtype`: for a tensor the op computes on in torch before a kernel would check it."""
+    if t.dtype != dtype:
+        raise TensorError(f"{what} has dtype {t.dtype}, expected {dtype}")
+
+
 def check_indices(op: str, name: str, t: torch.Tensor, hi: int, lo: int = -1) -> None:
     """With TKJIT_CHECK_INDICES=1: TensorError unless every entry of the index tensor t is in [lo, hi).
 
@@ -720,10 +726,8 @@ def _fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, config
         check_indices("get_fused_mapping", "topk_idx", topk_idx, num_experts)
     n, k = topk_idx.shape
     dev, i32 = topk_idx.device, torch.int32
-    if n == 0:  # nothing routed: every position is padding, every segment empty (shape checked all the same)
-        from tkjit.registry import get_spec
-
-        get_spec("get_fused_mapping").canonical_shape(shape)
+    if n == 0:  # nothing routed: every position is padding, every segment empty (checked all the same)
+        _fake_check("get_fused_mapping", shape, topk_idx)
         pos = [torch.full((num_expanded_tokens,), -1, dtype=i32, device=dev) for _ in range(3)]
         return (*pos, torch.empty((0, k), dtype=i32, device=dev),
                 *[torch.zeros(num_experts, dtype=i32, device=dev) for _ in range(3)])
@@ -791,20 +795,15 @@ def expand_to_fused_with_sf_impl(x, x_sf, num_per_channels, token_topk_to_pos, p
     -> (out (num_expanded_tokens, hidden), out_sf): both rows copied to each valid position, padding rows zero;
     bit-exact. out_sf is (num_expanded_tokens, hidden_sf), or with use_tma_aligned_col_major_sf its column-major
     storage (hidden_sf, align(num_expanded_tokens, 4)), padding columns zero."""
-    from tkjit_kernels.moe.expand_to_fused_with_sf import hidden_sf
-
     _expand_sf_need(x, x_sf, token_topk_to_pos, pos_to_expert)
     name = "expand_to_fused_with_sf_colmajor" if use_tma_aligned_col_major_sf else "expand_to_fused_with_sf"
     (n, h), p = x.shape, pos_to_expert.shape[0]
     check_indices(name, "token_topk_to_pos", token_topk_to_pos, p)
-    shape = {"num_tokens": max(1, n), "num_expanded_tokens": max(1, p),
-             **_expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos)}
+    static = _expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos)
+    shape = {"num_tokens": max(1, n), "num_expanded_tokens": max(1, p), **static}
     if n == 0:  # nothing launches: every row is padding or unmapped, zero (TileKernels' reference)
-        from tkjit.registry import get_spec
-
-        sw = hidden_sf(get_spec(name).canonical_shape(shape))
-        if x_sf.shape[1] != sw:
-            raise TensorError(f"{name}: input x_sf has shape {tuple(x_sf.shape)}, axis 1 must be {sw}")
+        _fake_check(name, static, x, x_sf, token_topk_to_pos, pos_to_expert)  # (the kernel's checks)
+        sw = x_sf.shape[1]
         sf_shape = (sw, _sf_storage_cols(p)) if use_tma_aligned_col_major_sf else (p, sw)
         return x.new_zeros((p, h)), x_sf.new_zeros(sf_shape)
     kern = get(name, shape, arch=arch_of(x), config=_config(config))
@@ -1594,6 +1593,7 @@ def per_channel_cast_fused_impl(x, x_sf=None, pos_to_token=None, num_per_tokens=
     out = x.new_empty((m, h), dtype=torch.float8_e4m3fn)
     scales = x.new_empty(((m + npt - 1) // npt, h), dtype=torch.float32)
     if n == 0 and m:  # nothing to gather: every row is zero; one zero row of x stands in (no map entry reads it
+        _fake_check(name, static, *[t for t in (x, x_sf, pos_to_token) if t is not None])  # (the given ones checked)
         x = x.new_zeros((1, h))  # as anything but zero), so the launch is not skipped as empty
         x_sf = x_sf.new_zeros((1, x_sf.shape[1])) if x_sf is not None else None
     args = [t for t in (x, x_sf, pos_to_token) if t is not None]
@@ -1927,6 +1927,8 @@ def swiglu_backward_and_per_token_cast_impl(x, x_sf, grad_out, weight, pos_to_to
     check_indices(name, "token_topk_to_pos", token_topk_to_pos, e)
     kern = get(name, {**static, "num_expand_tokens": max(1, e), "num_tokens": max(1, n)}, arch=arch_of(x),
                config=_config(config))
+    if e == 0 or n == 0:  # (no launch, or one on stand-ins below: the kernel's checks of the given tensors here)
+        _fake_check(name, static, x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos)
     if e == 0:  # no rows: nothing to launch, and no (token, k) has a gradient
         h, g = static["hidden"], 2 * static["hidden"] // num_per_channels
         return (x.new_empty((0, h), dtype=torch.bfloat16), x.new_empty((0, 2 * h)),
@@ -2157,6 +2159,7 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
 def _norm_fn_static(name, x, fn) -> dict:
     _need(x, (2,), f"{name}: x")
     _need(fn, (2,), f"{name}: fn")
+    _need_dtype(fn, torch.float32, f"{name}: input fn")  # (tf32_round reads its bits as float32's)
     if fn.shape[1] != x.shape[1]:
         raise TensorError(f"{name}: fn must have x's {x.shape[1]} columns, got shape {tuple(fn.shape)}")
     return {"mhc_mult3": int(fn.shape[0]), "mhc_hidden": int(x.shape[1])}
@@ -2198,10 +2201,26 @@ def pre_norm_fn_grads(out_grad, out_mul, sqrsum, k: int, norm_eps: float):
     return mul_grad, sqrsum_grad.contiguous()
 
 
+def _norm_fn_bwd_static(name, out_grad, out_mul, sqrsum, x, fn) -> dict:
+    """mhc_pre_norm_fn_bwd's static shape, or TensorError naming the argument: out_grad and out_mul (num_tokens, M),
+    sqrsum (num_tokens,), out_mul and sqrsum float32 as the forward returns them. The norm's backward reads them
+    in torch, not in the kernel: its broadcasting would take other shapes and compute the wrong gradient."""
+    static = _norm_fn_static(name, x, fn)
+    n, m = x.shape[0], fn.shape[0]
+    for what, t, shape in (("out_grad", out_grad, (n, m)), ("out_mul", out_mul, (n, m)), ("sqrsum", sqrsum, (n,))):
+        _need(t, (len(shape),), f"{name}: {what}")
+        if what != "out_grad":  # (out_grad is taken as float32 whatever it is)
+            _need_dtype(t, torch.float32, f"{name}: {what}")
+        for got, want in zip(t.shape, shape):
+            _check(got == want, lambda what=what, t=t, shape=shape:
+                   f"{name}: {what} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return static
+
+
 def mhc_pre_norm_fn_bwd_impl(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None, x_grad=None):
     """(x_grad bf16, fn_grad float32) of mhc_pre_norm_fn given out's gradient (num_tokens, M) float32; x_grad,
     when given (bf16, x's shape, contiguous), is added into in place (TileKernels' fuse_grad_acc)."""
-    static = _norm_fn_static("mhc_pre_norm_fn_bwd", x, fn)
+    static = _norm_fn_bwd_static("mhc_pre_norm_fn_bwd", out_grad, out_mul, sqrsum, x, fn)
     n = int(x.shape[0])
     if x_grad is None:
         x_grad = torch.zeros_like(x)
@@ -2228,12 +2247,8 @@ mhc_pre_norm_fn_bwd = torch.library.custom_op(
 @mhc_pre_norm_fn_bwd.register_fake
 def _(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None):
     name = "mhc_pre_norm_fn_bwd"
-    static = {**_norm_fn_static(name, x, fn), "num_partials": PRE_NORM_FN_PARTIALS}
-    for what, t, shape in (("out_grad", out_grad, (x.shape[0], fn.shape[0])),
-                           ("out_mul", out_mul, (x.shape[0], fn.shape[0])), ("sqrsum", sqrsum, (x.shape[0],))):
-        msg = f"{name}: {what} must have shape {tuple(shape)}"
-        torch._check(tuple(t.shape) == tuple(shape), lambda msg=msg: msg)
-    _fake_check(name, static, out_mul, sqrsum, x, fn)
+    static = {**_norm_fn_bwd_static(name, out_grad, out_mul, sqrsum, x, fn), "num_partials": PRE_NORM_FN_PARTIALS}
+    _fake_check(name, static, out_mul, sqrsum, x, fn)  # (out_mul and sqrsum as the kernel's mul_grad, sqrsum_grad)
     return torch.empty_like(x), torch.empty_like(fn)
 
 
@@ -2422,7 +2437,9 @@ per_block_cast_lossless, per_block_cast_lossless_colmajor = _op_pair(
 
 def _big_fuse_static(name, residual, fn, mhc_scale, mhc_base) -> dict:
     _need(residual, (3,), f"{name}: residual")
+    _need_contiguous(residual, f"{name}: residual")  # (the GEMM reads it as a (num_tokens, mhc_mult * hidden) view)
     _need(fn, (2,), f"{name}: fn")
+    _need_dtype(fn, torch.float32, f"{name}: input fn")  # (tf32_round reads its bits as float32's)
     m, h = int(residual.shape[1]), int(residual.shape[2])
     w = 2 * m + m * m
     if tuple(fn.shape) != (w, m * h):
