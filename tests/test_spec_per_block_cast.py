@@ -316,8 +316,10 @@ def test_fake_impls(n):
         q2, s2 = tkjit.ops.per_block_cast(x, (32, 128), col_major_scales=True)
         sf = mode.from_tensor(torch.ones(-(-n // 32), 5))
         q3 = torch.ops.tkjit.per_block_cast_with_sf(x, sf, 32, 128)
-        with pytest.raises(TensorError, match="sf must be float32"):
+        with pytest.raises(TensorError, match=r"sf has shape \(\d+, 4\), expected \(ceil\(num_tokens / 32\), 5\)"):
             torch.ops.tkjit.per_block_cast_with_sf(x, mode.from_tensor(torch.ones(-(-n // 32), 4)), 32, 128)
+        with pytest.raises(TensorError, match="input sf has dtype torch.float64, expected torch.float32"):
+            torch.ops.tkjit.per_block_cast_with_sf(x, mode.from_tensor(torch.ones(-(-n // 32), 5).double()), 32, 128)
     rows = -(-n // 32)
     assert q.shape == (n, 576) and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 5)
     assert storage.shape == (18, -(-rows // 4) * 4)

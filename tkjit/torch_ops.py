@@ -39,9 +39,10 @@ import torch
 from tkjit.api import get
 from tkjit.arch import arch_of
 from tkjit.envs import CHECK_INDICES, flag
-from tkjit.errors import ConfigError, ShapeError, TensorError
+from tkjit.errors import ConfigError, ShapeError, TensorError, TkjitError
 from tkjit.kernel import dtype_name, torch_dtype
 from tkjit.scales import tma_aligned
+from tkjit.spec import Align, CeilDiv
 
 
 def encode_config(config: Mapping | str | None) -> str | None:
@@ -68,6 +69,12 @@ def _need(x, ndim, what: str) -> None:
         raise TensorError(f"{what}: expected a {want} tensor, got {getattr(x, 'shape', type(x).__name__)}")
 
 
+def _need_dtype(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """TensorError unless t has `dtype`: for a tensor the op computes on in torch before a kernel would check it."""
+    if t.dtype != dtype:
+        raise TensorError(f"{what} has dtype {t.dtype}, expected {dtype}")
+
+
 def check_indices(op: str, name: str, t: torch.Tensor, hi: int, lo: int = -1) -> None:
     """With TKJIT_CHECK_INDICES=1: TensorError unless every entry of the index tensor t is in [lo, hi).
 
@@ -87,26 +94,83 @@ def _check_indices_on() -> bool:
     return flag(CHECK_INDICES)
 
 
+def _check(cond, message, error: type[TkjitError] = TensorError) -> None:
+    """`error(message())` unless cond. For conditions on sizes that may be symbolic (torch.compile with dynamic
+    shapes), torch._check's way: a guard or runtime assert, where `if not cond` would specialise the graph on
+    the size. message: a callable, so the text is only built on failure."""
+    if type(cond) is bool:  # eager calls and static sizes: no symbolic machinery (µs a call)
+        if not cond:
+            raise error(message())
+        return
+    torch._check_with(error, cond, message)
+
+
+def _need_contiguous(t: torch.Tensor, what: str) -> None:
+    """TensorError unless t is contiguous: for a tensor the op views in another shape before the kernel sees
+    it (the kernel's own check would come after a torch error from the view)."""
+    if not t.is_contiguous():
+        raise TensorError(f"{what} must be contiguous (call .contiguous()); got strides {t.stride()} for shape "
+                          f"{tuple(t.shape)}")
+
+
+def _check_block_rows(name: str, sf: torch.Tensor, num_tokens, block: int) -> None:
+    """The kernel's check of per-block scales' rows, ceil(num_tokens / block) (a CeilDiv dim, which _fake_check
+    leaves to its caller), where the sizes may be symbolic (a fake call)."""
+    got, want = sf.shape[0], (num_tokens + block - 1) // block
+    _check(got == want, lambda: f"{name}: input sf axis 0 is {got}, expected ceil(num_tokens / {block}) ({want})")
+
+
 def _fake_check(name: str, shape: dict, *tensors: torch.Tensor) -> None:
-    """What the real call would refuse before launching, at trace time: bad shape params, dtypes, sizes.
+    """What the real call would refuse before launching, at trace time: bad shape params, dtypes, sizes,
+    with the kernel's own messages (tkjit.kernel's checks). Also the real call's checks where it launches
+    nothing (empty inputs), so that those are refused as the kernel would refuse them.
 
     shape holds the static params (plain ints, read off the tensors with int(): compiled in, so a
-    traced graph specialises on them); the runtime sizes may be symbolic and are checked as 1.
+    traced graph specialises on them) and may hold runtime sizes given as int arguments; the runtime
+    sizes read off the tensors may be symbolic: each must agree with the first tensor having it (a guard
+    or runtime assert, not a specialisation). tensors: the inputs the variant takes, in the spec's order
+    (optional ones it does not take left out), or a leading part of them.
     """
     from tkjit.registry import get_spec
 
     spec = get_spec(name)
-    full = spec.canonical_shape({**shape, **{p.name: 1 for p in spec.runtime_params}})
+    full = spec.canonical_shape({**{p.name: 1 for p in spec.runtime_params}, **shape})
     runtime = {p.name for p in spec.runtime_params}
-    for t, arg in zip(tensors, spec.inputs):
+    sizes: dict = {}  # each runtime size, as the first tensor having it says (the kernel's rule)
+    for t, arg in zip(tensors, [a for a in spec.inputs if a.present(full)]):
         dtype, dims = arg.resolve(full)
+        if not isinstance(t, torch.Tensor):
+            raise TensorError(f"{name}: input {arg.name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch_dtype(dtype):
             raise TensorError(f"{name}: input {arg.name} has dtype {t.dtype}, expected {torch_dtype(dtype)}")
+        if t.dim() != len(dims):
+            raise TensorError(f"{name}: input {arg.name} has {t.dim()} dims {tuple(t.shape)}, expected {len(dims)} "
+                              f"({_dims_text(arg, dims, full, runtime)})")
         for axis, (d, size) in enumerate(zip(arg.dims, dims)):
-            if not (isinstance(d, str) and d in runtime) and t.shape[axis] != size:
-                raise TensorError(
-                    f"{name}: input {arg.name} has shape {tuple(t.shape)}, axis {axis} must be {size}"
-                )
+            got = t.shape[axis]
+            if isinstance(d, str) and d in runtime:
+                want = sizes.setdefault(d, got)
+                _check(got == want, lambda arg=arg, axis=axis, d=d, got=got, want=want:
+                       f"{name}: input {arg.name} axis {axis} ({d}) is {got}, other tensors say {want}")
+            elif isinstance(d, (Align, CeilDiv)) and d.name in runtime:
+                continue  # a function of a runtime size: the caller checks it (e.g. per-block scales' rows)
+            elif got != size:
+                raise TensorError(f"{name}: input {arg.name} has shape {tuple(t.shape)}, expected "
+                                  f"({_dims_text(arg, dims, full, runtime)}) (axis {axis} must be {size}, compiled in)")
+
+
+def _dims_text(arg, dims: tuple, full: dict, runtime: set) -> str:
+    """An input's dims as the kernel's messages write them: sizes of runtime params by name, the rest by value."""
+    def one(d, size) -> str:
+        if isinstance(d, str) and d in runtime:
+            return d
+        if isinstance(d, CeilDiv) and d.name in runtime:
+            return str(d.resolved(full))
+        if isinstance(d, Align) and d.name in runtime:
+            return f"align({d.name}, {d.multiple})"
+        return str(size)
+
+    return ", ".join(one(d, size) for d, size in zip(arg.dims, dims))
 
 
 def _op_pair(first_impl, second_impl, schema: str, fake) -> tuple:
@@ -186,9 +250,7 @@ sinkhorn_bwd = torch.library.custom_op(
 @sinkhorn_bwd.register_fake
 def _(grad_out, x, repeat=10, eps=1e-6, config=None):
     _need(x, (3,), "sinkhorn_bwd")
-    _need(grad_out, (3,), "sinkhorn_bwd")
     _fake_check("sinkhorn_bwd", {"n": int(x.shape[1]), "repeat": repeat, "eps": eps}, grad_out, x)
-    torch._check(grad_out.shape[0] == x.shape[0], lambda: "sinkhorn_bwd: grad_out and x differ in num_tokens")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -479,6 +541,10 @@ def _(scores, num_topk_sum, num_topk_groups, config=None):
 
 # -- expand_to_fused ---------------------------------------------------------------------------------
 
+def _expand_static(x, token_topk_to_pos) -> dict:
+    return {"hidden": int(x.shape[1]), "num_topk": int(token_topk_to_pos.shape[1]), "dtype": dtype_name(x.dtype)}
+
+
 def expand_to_fused_impl(x, token_topk_to_pos, pos_to_expert, config=None):
     """x (num_tokens, hidden) -> (num_expanded_tokens, hidden): row t copied to each valid position
     token_topk_to_pos[t, k], padding rows (pos_to_expert < 0) zero; bit-exact, any element type."""
@@ -488,9 +554,9 @@ def expand_to_fused_impl(x, token_topk_to_pos, pos_to_expert, config=None):
     (n, h), p = x.shape, pos_to_expert.shape[0]
     check_indices("expand_to_fused", "token_topk_to_pos", token_topk_to_pos, p)
     if n == 0:  # nothing launches: every row is padding or unmapped, zero (TileKernels' reference)
+        _fake_check("expand_to_fused", _expand_static(x, token_topk_to_pos), x, token_topk_to_pos, pos_to_expert)
         return x.new_zeros((p, h))
-    shape = {"num_tokens": n, "num_expanded_tokens": max(1, p), "hidden": h,
-             "num_topk": token_topk_to_pos.shape[1], "dtype": dtype_name(x.dtype)}
+    shape = {"num_tokens": n, "num_expanded_tokens": max(1, p), **_expand_static(x, token_topk_to_pos)}
     return get("expand_to_fused", shape, arch=arch_of(x), config=_config(config))(x, token_topk_to_pos, pos_to_expert)
 
 
@@ -505,10 +571,7 @@ def _(x, token_topk_to_pos, pos_to_expert, config=None):
     _need(x, (2,), "expand_to_fused")
     _need(token_topk_to_pos, (2,), "expand_to_fused")
     _need(pos_to_expert, (1,), "expand_to_fused")
-    _fake_check("expand_to_fused", {"hidden": int(x.shape[1]), "num_topk": int(token_topk_to_pos.shape[1]),
-                                    "dtype": dtype_name(x.dtype)}, x, token_topk_to_pos, pos_to_expert)
-    torch._check(token_topk_to_pos.shape[0] == x.shape[0],
-                 lambda: "expand_to_fused: x and token_topk_to_pos differ in num_tokens")
+    _fake_check("expand_to_fused", _expand_static(x, token_topk_to_pos), x, token_topk_to_pos, pos_to_expert)
     return x.new_empty((pos_to_expert.shape[0], x.shape[1]))
 
 
@@ -556,19 +619,7 @@ def _reduce_fake(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf):
     for t in (x, token_topk_to_pos):
         _need(t, (2,), "reduce_fused")
     static = _reduce_static(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf)
-    tensors = [t for t in (x, topk_weights, token_topk_to_pos, sf, x_sf) if t is not None]
-    from tkjit.registry import get_spec
-
-    spec = get_spec("reduce_fused")
-    full = spec.canonical_shape({**static, "num_tokens": 1, "num_expanded_tokens": 1})
-    for t, arg in zip(tensors, [a for a in spec.inputs if a.present(full)]):
-        dtype, dims = arg.resolve(full)
-        if t.dtype != torch_dtype(dtype) or t.dim() != len(dims):
-            raise TensorError(f"reduce_fused: input {arg.name} has dtype {t.dtype} and shape {tuple(t.shape)}, "
-                              f"expected {torch_dtype(dtype)} with {len(dims)} dims")
-    torch._check(token_topk_to_pos.shape[0] == (topk_weights.shape[0] if topk_weights is not None else
-                                                token_topk_to_pos.shape[0]),
-                 lambda: "reduce_fused: topk_weights and token_topk_to_pos differ in num_tokens")
+    _fake_check("reduce_fused", static, *[t for t in (x, topk_weights, token_topk_to_pos, sf, x_sf) if t is not None])
     return torch.float8_e4m3fn if static["e4m3_out"] else x.dtype
 
 
@@ -601,13 +652,20 @@ _FUSED_SCHEMA = ("(Tensor topk_idx, int num_experts, int num_expanded_tokens, in
                  "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment) -> dict:
+def _fused_static(topk_idx, num_experts, num_expanded_tokens, alignment) -> dict:
+    """The shape but num_tokens (a size of topk_idx, symbolic in a fake call): num_expanded_tokens is an
+    argument, range-checked with the static params."""
     _need(topk_idx, (2,), "get_fused_mapping")
-    if not isinstance(num_expanded_tokens, int) or num_expanded_tokens < 0:
+    if not isinstance(num_expanded_tokens, (int, torch.SymInt)) or num_expanded_tokens < 0:
         raise ShapeError(f"get_fused_mapping: num_expanded_tokens must be an int >= 0, got {num_expanded_tokens!r}")
     # Runtime sizes of 0 launch nothing: the impl builds those outputs itself (see below).
-    return {"num_tokens": max(1, topk_idx.shape[0]), "num_expanded_tokens": max(1, num_expanded_tokens),
-            "num_topk": topk_idx.shape[1], "num_experts": num_experts, "alignment": alignment}
+    return {"num_expanded_tokens": max(1, num_expanded_tokens), "num_topk": int(topk_idx.shape[1]),
+            "num_experts": num_experts, "alignment": alignment}
+
+
+def _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment) -> dict:
+    static = _fused_static(topk_idx, num_experts, num_expanded_tokens, alignment)
+    return {"num_tokens": max(1, topk_idx.shape[0]), **static}
 
 
 def _fused_buffers(n: int, k: int, e: int, nexp: int, dev, pooled: bool) -> tuple:
@@ -668,10 +726,8 @@ def _fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, config
         check_indices("get_fused_mapping", "topk_idx", topk_idx, num_experts)
     n, k = topk_idx.shape
     dev, i32 = topk_idx.device, torch.int32
-    if n == 0:  # nothing routed: every position is padding, every segment empty (shape checked all the same)
-        from tkjit.registry import get_spec
-
-        get_spec("get_fused_mapping").canonical_shape(shape)
+    if n == 0:  # nothing routed: every position is padding, every segment empty (checked all the same)
+        _fake_check("get_fused_mapping", shape, topk_idx)
         pos = [torch.full((num_expanded_tokens,), -1, dtype=i32, device=dev) for _ in range(3)]
         return (*pos, torch.empty((0, k), dtype=i32, device=dev),
                 *[torch.zeros(num_experts, dtype=i32, device=dev) for _ in range(3)])
@@ -705,11 +761,7 @@ get_fused_mapping = torch.library.custom_op(
 
 @get_fused_mapping.register_fake
 def _(topk_idx, num_experts, num_expanded_tokens, alignment, config=None):
-    _need(topk_idx, (2,), "get_fused_mapping")
-    if num_expanded_tokens < 0:
-        raise ShapeError(f"get_fused_mapping: num_expanded_tokens must be an int >= 0, got {num_expanded_tokens!r}")
-    _fake_check("get_fused_mapping", {"num_topk": int(topk_idx.shape[1]), "num_experts": num_experts,
-                                      "alignment": alignment}, topk_idx)
+    _fake_check("get_fused_mapping", _fused_static(topk_idx, num_experts, num_expanded_tokens, alignment), topk_idx)
     i32 = torch.int32
     pos = [topk_idx.new_empty((num_expanded_tokens,), dtype=i32) for _ in range(3)]
     return (*pos, topk_idx.new_empty(tuple(topk_idx.shape), dtype=i32),
@@ -743,20 +795,15 @@ def expand_to_fused_with_sf_impl(x, x_sf, num_per_channels, token_topk_to_pos, p
     -> (out (num_expanded_tokens, hidden), out_sf): both rows copied to each valid position, padding rows zero;
     bit-exact. out_sf is (num_expanded_tokens, hidden_sf), or with use_tma_aligned_col_major_sf its column-major
     storage (hidden_sf, align(num_expanded_tokens, 4)), padding columns zero."""
-    from tkjit_kernels.moe.expand_to_fused_with_sf import hidden_sf
-
     _expand_sf_need(x, x_sf, token_topk_to_pos, pos_to_expert)
     name = "expand_to_fused_with_sf_colmajor" if use_tma_aligned_col_major_sf else "expand_to_fused_with_sf"
     (n, h), p = x.shape, pos_to_expert.shape[0]
     check_indices(name, "token_topk_to_pos", token_topk_to_pos, p)
-    shape = {"num_tokens": max(1, n), "num_expanded_tokens": max(1, p),
-             **_expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos)}
+    static = _expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos)
+    shape = {"num_tokens": max(1, n), "num_expanded_tokens": max(1, p), **static}
     if n == 0:  # nothing launches: every row is padding or unmapped, zero (TileKernels' reference)
-        from tkjit.registry import get_spec
-
-        sw = hidden_sf(get_spec(name).canonical_shape(shape))
-        if x_sf.shape[1] != sw:
-            raise TensorError(f"{name}: input x_sf has shape {tuple(x_sf.shape)}, axis 1 must be {sw}")
+        _fake_check(name, static, x, x_sf, token_topk_to_pos, pos_to_expert)  # (the kernel's checks)
+        sw = x_sf.shape[1]
         sf_shape = (sw, _sf_storage_cols(p)) if use_tma_aligned_col_major_sf else (p, sw)
         return x.new_zeros((p, h)), x_sf.new_zeros(sf_shape)
     kern = get(name, shape, arch=arch_of(x), config=_config(config))
@@ -775,9 +822,6 @@ def _(x, x_sf, num_per_channels, token_topk_to_pos, pos_to_expert, use_tma_align
     name = "expand_to_fused_with_sf_colmajor" if use_tma_aligned_col_major_sf else "expand_to_fused_with_sf"
     _fake_check(name, _expand_sf_static(x, x_sf, num_per_channels, token_topk_to_pos),
                 x, x_sf, token_topk_to_pos, pos_to_expert)
-    torch._check(token_topk_to_pos.shape[0] == x.shape[0],
-                 lambda: "expand_to_fused_with_sf: x and token_topk_to_pos differ in num_tokens")
-    torch._check(x_sf.shape[0] == x.shape[0], lambda: "expand_to_fused_with_sf: x and x_sf differ in num_tokens")
     p, sw = pos_to_expert.shape[0], x_sf.shape[1]
     sf_shape = (sw, _sf_storage_cols(p)) if use_tma_aligned_col_major_sf else (p, sw)
     return x.new_empty((p, x.shape[1])), x_sf.new_empty(sf_shape)
@@ -964,24 +1008,32 @@ def _cast_back_static(name, x, sf, block_tokens, block_channels, out_dtype) -> d
             "block_channels": block_channels, "in_fmt": fmt, "out_dtype": out_dtype, "sf_dtype": dtype_name(sf.dtype)}
 
 
+def _check_sf_rows(name, x, sf, block_tokens: int) -> None:
+    """TensorError unless sf has ceil(num_tokens / block_tokens) token rows (axis 1 of the column-major forms'
+    storage view); the sizes may be symbolic (a fake call). Before the spec's checks (its ShapeError on num_sf_rows
+    would name no tensor), but for a block_tokens that is not a positive int: those name it."""
+    if type(block_tokens) is not int or block_tokens < 1:
+        return
+    n, rows = x.shape[0], sf.shape[1 if name.endswith("_colmajor") else 0]
+    want = (n + block_tokens - 1) // block_tokens
+    _check(rows == want, lambda: f"{name}: sf has {rows} token rows, expected ceil(num_tokens / block_tokens) = "
+                                 f"ceil({n} / {block_tokens}) = {want} (sf shape {tuple(sf.shape)})")
+
+
 def _cast_back(name, x, sf, block_tokens, block_channels, out_dtype, config, static_of=None):
     """One dequantising call of `name` (cast_back[_e5m6][_colmajor]): the scales' token rows checked, the kernel
     got for the shape. static_of: the static params read off the arguments (the e4m3 / e2m1 form's default)."""
     static = (static_of or _cast_back_static)(name, x, sf, block_tokens, block_channels, out_dtype)
+    _check_sf_rows(name, x, sf, block_tokens)
     n, rows = x.shape[0], sf.shape[1 if name.endswith("_colmajor") else 0]
-    if type(block_tokens) is int and block_tokens >= 1 and rows != -(-n // block_tokens):
-        raise TensorError(f"{name}: sf has {rows} token rows, expected ceil(num_tokens / block_tokens) = "
-                          f"ceil({n} / {block_tokens}) = {-(-n // block_tokens)} (sf shape {tuple(sf.shape)})")
     shape = {"num_tokens": max(1, n), "num_sf_rows": max(1, rows), **static}
     return get(name, shape, arch=arch_of(x), config=_config(config))(x, sf)
 
 
 def _fake_cast_back(name, col_major, x, sf, block_tokens, block_channels, out_dtype, static_of=None):
     static = (static_of or _cast_back_static)(name, x, sf, block_tokens, block_channels, out_dtype)
+    _check_sf_rows(name, x, sf, block_tokens)
     _fake_check(name, static, x, sf)
-    rows = sf.shape[1 if col_major else 0]
-    torch._check(rows == (x.shape[0] + block_tokens - 1) // block_tokens,
-                 lambda: f"{name}: sf's token rows must be ceil(num_tokens / block_tokens)")
     return x.new_empty((x.shape[0], static["hidden"]), dtype=torch_dtype(out_dtype))
 
 
@@ -1020,7 +1072,7 @@ def _block_static(name, x, block_m, block_k, round_scale=None) -> dict:
 
 
 def _block_cast(name, x, block_m, block_k, round_scale, config):
-    shape = {"num_tokens": max(1, x.shape[0]), **_block_static(name, x, block_m, block_k, round_scale)}
+    shape = {**_block_static(name, x, block_m, block_k, round_scale), "num_tokens": max(1, x.shape[0])}
     return get(name, shape, arch=arch_of(x), config=_config(config))(x)
 
 
@@ -1051,7 +1103,7 @@ per_block_cast, per_block_cast_colmajor = _op_pair(
 def per_block_cast_with_sf_impl(x, sf, block_m=128, block_k=128, config=None):
     """x (num_tokens, hidden) bf16/f32 and float32 scales (ceil(num_tokens / block_m), ceil(hidden / block_k))
     -> fp8 e4m3 values fp8(clamp(x / sf, -448, 448)) per block."""
-    shape = {"num_tokens": max(1, x.shape[0]), **_block_static("per_block_cast_with_sf", x, block_m, block_k)}
+    shape = {**_block_static("per_block_cast_with_sf", x, block_m, block_k), "num_tokens": max(1, x.shape[0])}
     return get("per_block_cast_with_sf", shape, arch=arch_of(x), config=_config(config))(x, sf)
 
 
@@ -1064,14 +1116,8 @@ per_block_cast_with_sf = torch.library.custom_op(
 @per_block_cast_with_sf.register_fake
 def _(x, sf, block_m=128, block_k=128, config=None):
     name = "per_block_cast_with_sf"
-    _fake_check(name, _block_static(name, x, block_m, block_k), x)
-    _need(sf, (2,), name)
-    cols = -(-int(x.shape[1]) // block_k)
-    if sf.dtype != torch.float32 or int(sf.shape[1]) != cols:
-        raise TensorError(f"{name}: input sf must be float32 (ceil(num_tokens / {block_m}), {cols}), got "
-                          f"{sf.dtype} {tuple(sf.shape)}")
-    torch._check(sf.shape[0] == (x.shape[0] + block_m - 1) // block_m,
-                 lambda: f"{name}: sf must have ceil(num_tokens / {block_m}) rows")
+    _fake_check(name, _block_static(name, x, block_m, block_k), x, sf)
+    _check_block_rows(name, sf, x.shape[0], block_m)
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
 
 
@@ -1091,13 +1137,10 @@ def _per_channel_static(name, x, num_per_tokens, round_scale) -> dict:
     _need(x, (2,), name)
     if type(num_per_tokens) is not int or num_per_tokens not in TOKENS_PER_SCALE:
         raise ShapeError(f"{name}: num_per_tokens must be one of {list(TOKENS_PER_SCALE)}, got {num_per_tokens!r}")
-    if not x.is_contiguous():  # (the kernel's 3-D view of x needs whole rows, back to back)
-        raise TensorError(f"{name}: x must be contiguous (call .contiguous()); got strides {x.stride()} for shape "
-                          f"{tuple(x.shape)}")
+    _need_contiguous(x, f"{name}: x")  # (the kernel's 3-D view of x needs whole rows, back to back)
     n = x.shape[0]
-    if isinstance(n, int) and n % num_per_tokens:
-        raise ShapeError(f"{name}: num_tokens (x.shape[0] = {n}) must be a multiple of num_per_tokens "
-                         f"({num_per_tokens}): a scale covers whole blocks of num_per_tokens tokens")
+    _check(n % num_per_tokens == 0, lambda: f"{name}: num_tokens (x.shape[0] = {n}) must be a multiple of "
+           f"num_per_tokens ({num_per_tokens}): a scale covers whole blocks of num_per_tokens tokens", ShapeError)
     return {"hidden": int(x.shape[1]), "num_per_tokens": num_per_tokens, "in_dtype": dtype_name(x.dtype),
             "round_scale": round_scale}
 
@@ -1118,7 +1161,6 @@ def _fake_per_channel(name, transposed, x, num_per_tokens, round_scale):
     static = _per_channel_static(name, x, num_per_tokens, round_scale)
     _fake_check(name, static)
     n, h = x.shape
-    torch._check(n % num_per_tokens == 0, lambda: f"{name}: num_tokens must be a multiple of num_per_tokens")
     out = x.new_empty((h, n) if transposed else (n, h), dtype=torch.float8_e4m3fn)
     return out, x.new_empty((n // num_per_tokens, h), dtype=torch.float32)
 
@@ -1210,7 +1252,6 @@ pre_apply_mix = torch.library.custom_op(
 @pre_apply_mix.register_fake
 def _(x, mix, config=None, bwd_config=None, out=None):
     _fake_check("pre_apply_mix", _mix_static("pre_apply_mix", x, mix), x, mix)
-    torch._check(mix.shape[0] == x.shape[0], lambda: "pre_apply_mix: x and mix differ in num_tokens")
     return x.new_empty((x.shape[0], x.shape[2]))
 
 
@@ -1230,10 +1271,7 @@ pre_apply_mix_bwd = torch.library.custom_op(
 
 
 def _fake_mix_bwd(name, grad_out, x, mix):
-    _need(grad_out, (2,), f"{name}: grad_out")
     _fake_check(name, _mix_static(name, x, mix), grad_out, x, mix)
-    torch._check(grad_out.shape[0] == x.shape[0], lambda: f"{name}: grad_out and x differ in num_tokens")
-    torch._check(mix.shape[0] == x.shape[0], lambda: f"{name}: x and mix differ in num_tokens")
 
 
 @pre_apply_mix_bwd.register_fake
@@ -1323,7 +1361,7 @@ def _mhc_post_static(name, x, residual) -> dict:
 
 def mhc_post_fwd_into(x, residual, post_layer_mix, comb_res_mix, config=None, out=None):
     """mhc_post_fwd's kernel call, into `out` (num_tokens, mhc, hidden) bfloat16 when given."""
-    shape = {"num_tokens": max(1, x.shape[0]), **_mhc_post_static("mhc_post_fwd", x, residual)}
+    shape = {**_mhc_post_static("mhc_post_fwd", x, residual), "num_tokens": max(1, x.shape[0])}
     k = get("mhc_post_fwd", shape, arch=arch_of(x), config=_config(config))
     return k(x, residual, post_layer_mix, comb_res_mix, out=out)
 
@@ -1343,12 +1381,7 @@ mhc_post_fwd = torch.library.custom_op(
 
 def _fake_mhc_post(name, x, residual, post_layer_mix, comb_res_mix, *extra):
     static = _mhc_post_static(name, x, residual)
-    _need(post_layer_mix, (2,), f"{name}: post_layer_mix")
-    _need(comb_res_mix, (3,), f"{name}: comb_res_mix")
-    tensors = (*extra, x, residual, post_layer_mix, comb_res_mix)
-    _fake_check(name, static, *tensors)
-    for t in tensors[1:]:
-        torch._check(t.shape[0] == x.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
+    _fake_check(name, static, *extra, x, residual, post_layer_mix, comb_res_mix)
 
 
 @mhc_post_fwd.register_fake
@@ -1360,7 +1393,7 @@ def _(x, residual, post_layer_mix, comb_res_mix, config=None, bwd_config=None):
 def mhc_post_bwd_impl(grad_out, x, residual, post_layer_mix, comb_res_mix, config=None):
     """(grad_x, grad_residual) bf16 and (grad_post_layer_mix, grad_comb_res_mix) float32 of mhc_post_fwd
     given grad_out = dL/d out (num_tokens, mhc, hidden) bf16."""
-    shape = {"num_tokens": max(1, x.shape[0]), **_mhc_post_static("mhc_post_bwd", x, residual)}
+    shape = {**_mhc_post_static("mhc_post_bwd", x, residual), "num_tokens": max(1, x.shape[0])}
     k = get("mhc_post_bwd", shape, arch=arch_of(x), config=_config(config))
     return k(grad_out, x, residual, post_layer_mix, comb_res_mix)
 
@@ -1374,7 +1407,6 @@ mhc_post_bwd = torch.library.custom_op(
 
 @mhc_post_bwd.register_fake
 def _(grad_out, x, residual, post_layer_mix, comb_res_mix, config=None):
-    _need(grad_out, (3,), "mhc_post_bwd: grad_out")
     _fake_mhc_post("mhc_post_bwd", x, residual, post_layer_mix, comb_res_mix, grad_out)
     return (x.new_empty(x.shape), residual.new_empty(residual.shape), post_layer_mix.new_empty(post_layer_mix.shape),
             comb_res_mix.new_empty(comb_res_mix.shape))
@@ -1419,7 +1451,7 @@ def _e5m6_static(name, x, round_scale) -> dict:
 
 
 def _e5m6_cast(name, x, round_scale, config):
-    shape = {"num_tokens": max(1, x.shape[0]), **_e5m6_static(name, x, round_scale)}
+    shape = {**_e5m6_static(name, x, round_scale), "num_tokens": max(1, x.shape[0])}
     return get(name, shape, arch=arch_of(x), config=_config(config))(x)
 
 
@@ -1509,13 +1541,7 @@ engram_gate_fwd = torch.library.custom_op(
 
 def _fake_engram_gate(name, hidden_states, k, v, weight_fused, eps, clamp_value, *extra):
     static = _engram_gate_static(name, hidden_states, eps, clamp_value)
-    _need(k, (3,), f"{name}: k")
-    _need(v, (2,), f"{name}: v")
-    _need(weight_fused, (2,), f"{name}: weight_fused")
-    tensors = (*extra, hidden_states, k, v, weight_fused)
-    _fake_check(name, static, *tensors)
-    for t in (*extra, k, v):
-        torch._check(t.shape[0] == hidden_states.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
+    _fake_check(name, static, *extra, hidden_states, k, v, weight_fused)
 
 
 @engram_gate_fwd.register_fake
@@ -1567,6 +1593,7 @@ def per_channel_cast_fused_impl(x, x_sf=None, pos_to_token=None, num_per_tokens=
     out = x.new_empty((m, h), dtype=torch.float8_e4m3fn)
     scales = x.new_empty(((m + npt - 1) // npt, h), dtype=torch.float32)
     if n == 0 and m:  # nothing to gather: every row is zero; one zero row of x stands in (no map entry reads it
+        _fake_check(name, static, *[t for t in (x, x_sf, pos_to_token) if t is not None])  # (the given ones checked)
         x = x.new_zeros((1, h))  # as anything but zero), so the launch is not skipped as empty
         x_sf = x_sf.new_zeros((1, x_sf.shape[1])) if x_sf is not None else None
     args = [t for t in (x, x_sf, pos_to_token) if t is not None]
@@ -1586,8 +1613,6 @@ def _(x, x_sf=None, pos_to_token=None, num_per_tokens=128, round_scale=False, co
     _fake_check(name, static, *[t for t in (x, x_sf) if t is not None])
     if pos_to_token is not None and pos_to_token.dtype != torch.int32:
         raise TensorError(f"{name}: input pos_to_token has dtype {pos_to_token.dtype}, expected torch.int32")
-    if x_sf is not None:
-        torch._check(x_sf.shape[0] == x.shape[0], lambda: f"{name}: x and x_sf differ in num_tokens")
     m = pos_to_token.shape[0] if pos_to_token is not None else x.shape[0]
     out = x.new_empty((m, x.shape[1]), dtype=torch.float8_e4m3fn)
     return out, x.new_empty(((m + num_per_tokens - 1) // num_per_tokens, x.shape[1]), dtype=torch.float32)
@@ -1616,7 +1641,7 @@ def _head_static(name, input_mix) -> dict:
 def mhc_head_compute_mix_impl(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None, bwd_config=None):
     """sigmoid(input_mix * mhc_scale + mhc_base) + mhc_pre_eps, float32 (num_tokens, mhc_mult); its gradient
     runs mhc_head_compute_mix_bwd (config bwd_config)."""
-    shape = {"num_tokens": max(1, int(input_mix.shape[0])), **_head_static("mhc_head_compute_mix", input_mix),
+    shape = {**_head_static("mhc_head_compute_mix", input_mix), "num_tokens": max(1, int(input_mix.shape[0])),
              "mhc_pre_eps": float(mhc_pre_eps)}
     return get("mhc_head_compute_mix", shape, arch=arch_of(input_mix), config=_config(config))(
         input_mix, mhc_scale, mhc_base)
@@ -1629,13 +1654,6 @@ mhc_head_compute_mix = torch.library.custom_op(
 )(mhc_head_compute_mix_impl)
 
 
-def _fake_mixes_check(name, static, n, *tensors):
-    _fake_check(name, static, *tensors)
-    for t in tensors:
-        if t.dim() == 2:
-            torch._check(t.shape[0] == n, lambda: f"{name}: the tensors differ in num_tokens")
-
-
 @mhc_head_compute_mix.register_fake
 def _(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None, bwd_config=None):
     static = {**_head_static("mhc_head_compute_mix", input_mix), "mhc_pre_eps": float(mhc_pre_eps)}
@@ -1645,7 +1663,7 @@ def _(input_mix, mhc_scale, mhc_base, mhc_pre_eps, config=None, bwd_config=None)
 
 def mhc_head_compute_mix_bwd_impl(output_mix_grad, input_mix, mhc_scale, mhc_base, config=None):
     """(input_mix_grad, mhc_scale_grad (1,), mhc_base_grad (mhc_mult,)) of mhc_head_compute_mix, float32."""
-    shape = {"num_tokens": max(1, int(input_mix.shape[0])), **_head_static("mhc_head_compute_mix_bwd", input_mix)}
+    shape = {**_head_static("mhc_head_compute_mix_bwd", input_mix), "num_tokens": max(1, int(input_mix.shape[0]))}
     k = get("mhc_head_compute_mix_bwd", shape, arch=arch_of(input_mix), config=_config(config))
     grad, scale_part, base_part = k(output_mix_grad, input_mix, mhc_scale, mhc_base)
     return grad, scale_part.sum(0), base_part.sum(0)
@@ -1660,10 +1678,8 @@ mhc_head_compute_mix_bwd = torch.library.custom_op(
 
 @mhc_head_compute_mix_bwd.register_fake
 def _(output_mix_grad, input_mix, mhc_scale, mhc_base, config=None):
-    _need(output_mix_grad, (2,), "mhc_head_compute_mix_bwd: output_mix_grad")
     static = _head_static("mhc_head_compute_mix_bwd", input_mix)
-    _fake_mixes_check("mhc_head_compute_mix_bwd", static, input_mix.shape[0], output_mix_grad, input_mix, mhc_scale,
-                      mhc_base)
+    _fake_check("mhc_head_compute_mix_bwd", static, output_mix_grad, input_mix, mhc_scale, mhc_base)
     return (input_mix.new_empty(input_mix.shape), mhc_scale.new_empty(mhc_scale.shape),
             mhc_base.new_empty(mhc_base.shape))
 
@@ -1681,9 +1697,9 @@ def mhc_pre_split_mixes_impl(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_pos
                              config=None, bwd_config=None):
     """(pre_layer_mix, post_layer_mix, comb_res_mix) float32 of input_mixes (num_tokens, 2m + m*m); its
     gradient runs mhc_pre_split_mixes_bwd (config bwd_config)."""
-    shape = {"num_tokens": max(1, int(input_mixes.shape[0])),
-             **_split_static("mhc_pre_split_mixes", input_mixes, mhc_mult),
-             "mhc_post_mult_value": float(mhc_post_mult_value), "mhc_pre_eps": float(mhc_pre_eps)}
+    shape = {**_split_static("mhc_pre_split_mixes", input_mixes, mhc_mult),
+             "num_tokens": max(1, int(input_mixes.shape[0])), "mhc_post_mult_value": float(mhc_post_mult_value),
+             "mhc_pre_eps": float(mhc_pre_eps)}
     return get("mhc_pre_split_mixes", shape, arch=arch_of(input_mixes), config=_config(config))(
         input_mixes, mhc_scale, mhc_base)
 
@@ -1730,12 +1746,10 @@ def _(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, m
       mhc_post_mult_value, config=None):
     name = "mhc_pre_split_mixes_bwd"
     _need(pre_layer_mix_grad, (2,), f"{name}: pre_layer_mix_grad")
-    _need(post_layer_mix_grad, (2,), f"{name}: post_layer_mix_grad")
-    _need(comb_res_mix_grad, (2,), f"{name}: comb_res_mix_grad")
     static = {**_split_static(name, input_mixes, int(pre_layer_mix_grad.shape[1])),
               "mhc_post_mult_value": float(mhc_post_mult_value)}
-    _fake_mixes_check(name, static, input_mixes.shape[0], pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad,
-                      input_mixes, mhc_scale, mhc_base)
+    _fake_check(name, static, pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, mhc_scale,
+                mhc_base)
     return input_mixes.new_empty(input_mixes.shape), mhc_scale.new_empty(mhc_scale.shape), \
         mhc_base.new_empty(mhc_base.shape)
 
@@ -1857,16 +1871,10 @@ def _(x, pos_to_token_topk=None, topk_weights=None, pos_to_expert=None, clamped_
     name = "swiglu_forward_and_per_token_cast" + ("_colmajor" if col_major_scales else "")
     static = _swiglu_cast_static(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count, group,
                                  round_scale, swiglu_clamp_value, sf_clamp_min)
-    _fake_check(name, static, x)
-    for arg, t, dtype in (("pos_to_token_topk", pos_to_token_topk, torch.int32),
-                          ("topk_weights", topk_weights, torch.float32),
-                          ("pos_to_expert", pos_to_expert, torch.int32), ("clamped_count", clamped_count, torch.int64)):
-        if t is not None and t.dtype != dtype:
-            raise TensorError(f"{name}: input {arg} has dtype {t.dtype}, expected {dtype}")
+    # the kernel's inputs as the impl passes them (the weights flattened)
+    weights = [pos_to_token_topk, topk_weights.reshape(-1)] if pos_to_token_topk is not None else []
+    _fake_check(name, static, x, *weights, *[t for t in (pos_to_expert, clamped_count) if t is not None])
     n, h = x.shape[0], static["hidden"]
-    for t in (pos_to_token_topk, pos_to_expert):
-        if t is not None:
-            torch._check(t.shape[0] == n, lambda: f"{name}: a routing map's length differs from x's num_tokens")
     q = x.new_empty((n, h), dtype=torch.float8_e4m3fn)
     groups = h // group
     if col_major_scales:
@@ -1919,6 +1927,8 @@ def swiglu_backward_and_per_token_cast_impl(x, x_sf, grad_out, weight, pos_to_to
     check_indices(name, "token_topk_to_pos", token_topk_to_pos, e)
     kern = get(name, {**static, "num_expand_tokens": max(1, e), "num_tokens": max(1, n)}, arch=arch_of(x),
                config=_config(config))
+    if e == 0 or n == 0:  # (no launch, or one on stand-ins below: the kernel's checks of the given tensors here)
+        _fake_check(name, static, x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos)
     if e == 0:  # no rows: nothing to launch, and no (token, k) has a gradient
         h, g = static["hidden"], 2 * static["hidden"] // num_per_channels
         return (x.new_empty((0, h), dtype=torch.bfloat16), x.new_empty((0, 2 * h)),
@@ -1945,10 +1955,6 @@ def _(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_c
                                 round_scale, swiglu_clamp_value)
     _fake_check(name, static, x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos)
     e = x.shape[0]
-    for arg, t in (("x_sf", x_sf), ("grad_out", grad_out), ("pos_to_token_topk", pos_to_token_topk)):
-        torch._check(t.shape[0] == e, lambda arg=arg: f"{name}: x and {arg} differ in num_expand_tokens")
-    torch._check(weight.shape[0] == token_topk_to_pos.shape[0],
-                 lambda: f"{name}: weight and token_topk_to_pos differ in num_tokens")
     h = static["hidden"]
     return (x.new_empty((e, h), dtype=torch.bfloat16), x.new_empty((e, 2 * h)),
             x.new_empty((e, x_sf.shape[1]), dtype=torch.float32), x.new_empty((e, 2 * h), dtype=torch.bfloat16),
@@ -1998,7 +2004,6 @@ def _fake_swiglu_channel(name, transposed, x, num_per_tokens, round_scale, swigl
     static = _swiglu_channel_static(name, x, num_per_tokens, round_scale, swiglu_clamp_value)
     _fake_check(name, static)
     n, h = x.shape[0], static["hidden"]
-    torch._check(n % num_per_tokens == 0, lambda: f"{name}: num_tokens must be a multiple of num_per_tokens")
     out = x.new_empty((h, n) if transposed else (n, h), dtype=torch.float8_e4m3fn)
     return out, x.new_empty((n // num_per_tokens, h), dtype=torch.float32)
 
@@ -2068,16 +2073,7 @@ def _(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd
       num_partials=ENGRAM_PARTIALS, config=None):
     name = "engram_gate_bwd"
     static = _engram_bwd_static(name, hidden_states, clamp_value, num_partials)
-    _need(grad_out, (3,), f"{name}: grad_out")
-    _need(k, (3,), f"{name}: k")
-    _need(v, (2,), f"{name}: v")
-    _need(weight_fused, (2,), f"{name}: weight_fused")
-    saved = (dot, gate_score, rstd_x, rstd_k)
-    for t in saved:
-        _need(t, (2,), f"{name}: dot, gate_score, rstd_x, rstd_k")
-    _fake_check(name, static, grad_out, hidden_states, k, v, weight_fused, *saved)
-    for t in (grad_out, k, v, *saved):
-        torch._check(t.shape[0] == hidden_states.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
+    _fake_check(name, static, grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k)
     t, m, h = hidden_states.shape
     return (hidden_states.new_empty((t, m, h)), hidden_states.new_empty((t, m, h)), hidden_states.new_empty((t, h)),
             weight_fused.new_empty((static["num_partials"], m, h)))
@@ -2109,9 +2105,6 @@ grad_w_reduce = torch.library.custom_op(
 def _(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed, config=None):
     name = "grad_w_reduce"
     static = _grad_w_static(name, grad_w_partial)
-    for what, t in (("weight_hidden", weight_hidden), ("weight_embed", weight_embed),
-                    ("grad_weight_hidden", grad_weight_hidden), ("grad_weight_embed", grad_weight_embed)):
-        _need(t, (2,), f"{name}: {what}")
     _fake_check(name, static, grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
 
 
@@ -2166,6 +2159,7 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
 def _norm_fn_static(name, x, fn) -> dict:
     _need(x, (2,), f"{name}: x")
     _need(fn, (2,), f"{name}: fn")
+    _need_dtype(fn, torch.float32, f"{name}: input fn")  # (tf32_round reads its bits as float32's)
     if fn.shape[1] != x.shape[1]:
         raise TensorError(f"{name}: fn must have x's {x.shape[1]} columns, got shape {tuple(fn.shape)}")
     return {"mhc_mult3": int(fn.shape[0]), "mhc_hidden": int(x.shape[1])}
@@ -2207,10 +2201,26 @@ def pre_norm_fn_grads(out_grad, out_mul, sqrsum, k: int, norm_eps: float):
     return mul_grad, sqrsum_grad.contiguous()
 
 
+def _norm_fn_bwd_static(name, out_grad, out_mul, sqrsum, x, fn) -> dict:
+    """mhc_pre_norm_fn_bwd's static shape, or TensorError naming the argument: out_grad and out_mul (num_tokens, M),
+    sqrsum (num_tokens,), out_mul and sqrsum float32 as the forward returns them. The norm's backward reads them
+    in torch, not in the kernel: its broadcasting would take other shapes and compute the wrong gradient."""
+    static = _norm_fn_static(name, x, fn)
+    n, m = x.shape[0], fn.shape[0]
+    for what, t, shape in (("out_grad", out_grad, (n, m)), ("out_mul", out_mul, (n, m)), ("sqrsum", sqrsum, (n,))):
+        _need(t, (len(shape),), f"{name}: {what}")
+        if what != "out_grad":  # (out_grad is taken as float32 whatever it is)
+            _need_dtype(t, torch.float32, f"{name}: {what}")
+        for got, want in zip(t.shape, shape):
+            _check(got == want, lambda what=what, t=t, shape=shape:
+                   f"{name}: {what} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return static
+
+
 def mhc_pre_norm_fn_bwd_impl(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None, x_grad=None):
     """(x_grad bf16, fn_grad float32) of mhc_pre_norm_fn given out's gradient (num_tokens, M) float32; x_grad,
     when given (bf16, x's shape, contiguous), is added into in place (TileKernels' fuse_grad_acc)."""
-    static = _norm_fn_static("mhc_pre_norm_fn_bwd", x, fn)
+    static = _norm_fn_bwd_static("mhc_pre_norm_fn_bwd", out_grad, out_mul, sqrsum, x, fn)
     n = int(x.shape[0])
     if x_grad is None:
         x_grad = torch.zeros_like(x)
@@ -2237,12 +2247,8 @@ mhc_pre_norm_fn_bwd = torch.library.custom_op(
 @mhc_pre_norm_fn_bwd.register_fake
 def _(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None):
     name = "mhc_pre_norm_fn_bwd"
-    static = {**_norm_fn_static(name, x, fn), "num_partials": PRE_NORM_FN_PARTIALS}
-    for what, t, shape in (("out_grad", out_grad, (x.shape[0], fn.shape[0])),
-                           ("out_mul", out_mul, (x.shape[0], fn.shape[0])), ("sqrsum", sqrsum, (x.shape[0],))):
-        msg = f"{name}: {what} must have shape {tuple(shape)}"
-        torch._check(tuple(t.shape) == tuple(shape), lambda msg=msg: msg)
-    _fake_check(name, static, out_mul, sqrsum, x, fn)
+    static = {**_norm_fn_bwd_static(name, out_grad, out_mul, sqrsum, x, fn), "num_partials": PRE_NORM_FN_PARTIALS}
+    _fake_check(name, static, out_mul, sqrsum, x, fn)  # (out_mul and sqrsum as the kernel's mul_grad, sqrsum_grad)
     return torch.empty_like(x), torch.empty_like(fn)
 
 
@@ -2352,8 +2358,6 @@ def _(initial_residual, pre_mix, layer_output, post_mix, comb_mix, config=None):
     else:
         _fake_check("pre_apply_mix", {"mhc_mult": static["mhc_mult"], "hidden": static["hidden"]}, initial_residual,
                     pre_mix[0])
-    for t in (pre_mix, layer_output, post_mix, comb_mix):
-        torch._check(t.shape[1] == initial_residual.shape[0], lambda: f"{name}: the tensors differ in num_tokens")
     n, m, h = initial_residual.shape
     return (initial_residual.new_empty((static["num_layers"], n, h)),
             initial_residual.new_empty((static["num_post"], n, m, h)))
@@ -2395,12 +2399,8 @@ def _lossless(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k, con
 def _fake_lossless(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k):
     """(fake values, scale rows ceil(num_tokens / out_block_m), scale columns ceil(hidden / out_block_k))."""
     static = _lossless_static(name, x, sf, in_block_m, in_block_k, out_block_m, out_block_k)
-    _fake_check(name, static, x)  # sf's rows are a CeilDiv of the runtime size: checked here
-    cols = -(-static["hidden"] // in_block_k)
-    if sf.shape[1] != cols:
-        raise TensorError(f"{name}: input sf has shape {tuple(sf.shape)}, axis 1 must be {cols}")
-    torch._check(sf.shape[0] == (x.shape[0] + in_block_m - 1) // in_block_m,
-                 lambda: f"{name}: sf's rows must be ceil(num_tokens / in_block_m)")
+    _fake_check(name, static, x, sf)
+    _check_block_rows(name, sf, x.shape[0], in_block_m)
     return (x.new_empty((x.shape[0], static["hidden"]), dtype=torch.float8_e4m3fn),
             (x.shape[0] + out_block_m - 1) // out_block_m, -(-static["hidden"] // out_block_k))
 
@@ -2437,7 +2437,9 @@ per_block_cast_lossless, per_block_cast_lossless_colmajor = _op_pair(
 
 def _big_fuse_static(name, residual, fn, mhc_scale, mhc_base) -> dict:
     _need(residual, (3,), f"{name}: residual")
+    _need_contiguous(residual, f"{name}: residual")  # (the GEMM reads it as a (num_tokens, mhc_mult * hidden) view)
     _need(fn, (2,), f"{name}: fn")
+    _need_dtype(fn, torch.float32, f"{name}: input fn")  # (tf32_round reads its bits as float32's)
     m, h = int(residual.shape[1]), int(residual.shape[2])
     w = 2 * m + m * m
     if tuple(fn.shape) != (w, m * h):
@@ -2497,9 +2499,10 @@ def _(residual, fn, mhc_scale, mhc_base, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps,
     m, h = static["mhc_mult"], static["hidden"]
     _fake_check("mhc_pre_norm_fn", {"mhc_mult3": 2 * m + m * m, "mhc_hidden": m * h, "norm_eps": float(rms_eps)},
                 residual.view(residual.shape[0], m * h), fn)
+    # (the GEMM's out_mul and sqrsum, the fused kernel's first inputs, stand in as empties of their shapes)
     _fake_check(name, _big_fuse_shape(static, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value,
-                                      sinkhorn_repeat), fn.new_empty((1, 2 * m + m * m)), fn.new_empty((1,)),
-                mhc_scale, mhc_base, residual)
+                                      sinkhorn_repeat), fn.new_empty((residual.shape[0], 2 * m + m * m)),
+                fn.new_empty((residual.shape[0],)), mhc_scale, mhc_base, residual)
     return _big_fuse_empty(residual, m, h)
 
 
