@@ -62,18 +62,30 @@ def refs(monkeypatch):
     return serve_references(monkeypatch, (FWD, BWD))
 
 
+LANES = {"layout": "lanes", "warps": 4, "tokens_per_warp": 2, "vec": 8, "block_tokens": 32, "block_k": 64, "stages": 1}
+MMA = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 64, "block_k": 128, "stages": 2}
+
+
 def test_registered_defaults_and_constraints():
     s = tkjit.get_spec(FWD)
     full = s.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
-    assert s.default_config(full, "sm_90a") == {"warps": 4, "tokens_per_warp": 2, "vec": 8}
-    assert s.constraint(full, {"warps": 4, "tokens_per_warp": 8, "vec": 8}) is not None  # registers
+    assert s.default_config(full, "sm_90a") == {"layout": "lanes", "warps": 4, "tokens_per_warp": 2, "vec": 8,
+                                                 "block_tokens": 32, "block_k": 64, "stages": 1}
+    assert s.constraint(full, {**LANES, "tokens_per_warp": 8, "vec": 8}) is not None  # registers
     odd = s.canonical_shape({"num_tokens": 1, "mhc_mult3": 24, "mhc_hidden": 96})
     assert s.default_config(odd, "sm_90a")["vec"] == 1
-    assert "multiple of 32 * vec" in s.constraint(odd, {"warps": 1, "tokens_per_warp": 1, "vec": 2})
+    assert "multiple of 32 * vec" in s.constraint(odd, {**LANES, "warps": 1, "tokens_per_warp": 1, "vec": 2})
+    # The tensor-core layout: fn's rows padded to the GEMM's 32, whole block_k steps, its own tunables only.
+    assert s.constraint(full, MMA) is None
+    assert "GEMM's width" in s.constraint(s.canonical_shape({"num_tokens": 1, "mhc_mult3": 80, "mhc_hidden": 1024}),
+                                           MMA)
+    assert "multiple of block_k" in s.constraint(odd, MMA)
+    assert "does not use them" in s.constraint(full, {**MMA, "tokens_per_warp": 2})
+    assert "does not use them" in s.constraint(full, {**LANES, "block_k": 128})
     with pytest.raises(ShapeError, match="multiple of 32"):
         tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 100}, arch="sm_90a")
     with pytest.raises(ConfigError):
-        tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 96}, arch="sm_90a", config={"vec": 8})
+        tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 96}, arch="sm_90a", config={**LANES, "vec": 8})
     b = tkjit.get_spec(BWD)
     bfull = b.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
     assert b.default_config(bfull, "sm_90a") == {"threads": 128, "vec": 2, "tile": 32}
@@ -89,6 +101,12 @@ def test_compiles_for_sm90a(name):
                   {"num_tokens": 64, "mhc_mult3": 8, "mhc_hidden": 96}):
         k = tkjit.get(name, shape, arch="sm_90a")
         assert (k.path / "kernel.cu").read_text().count("__global__") >= 1
+
+
+def test_mma_layout_compiles_to_tf32_tensor_core_gemm_for_sm90a():
+    k = tkjit.get(FWD, {"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384}, arch="sm_90a", config=MMA)
+    src = (k.path / "kernel.cu").read_text()
+    assert "mma_sync<tl::DataType::kTensorFloat32" in src and "cp_async" in src
 
 
 def test_tf32_round_is_tile_kernels_rounding_then_truncation():

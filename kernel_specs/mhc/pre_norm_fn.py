@@ -12,14 +12,18 @@ TileKernels runs the GEMM on TF32 tensor cores with fn rounded to TF32 first (`r
 the bits, the tensor core then drops the low 13: round half away from zero); bf16 x is exact in TF32 and a
 bf16 * TF32 product is exact in float32, so its GEMM is exactly float32 sums of x * tf32(fn). The op
 (`tkjit.torch_ops.mhc_pre_norm_fn_impl`) does that rounding; this kernel takes fn as given and sums
-float32 products of it on the CUDA cores: the GEMM is 2 * M flops per bf16 element read (48 at mhc_mult
-4), memory-bound on the H200 either way, and needs no tensor-core layouts. TileKernels' n_splits (split-K)
-is a hint its own op ignores (it sets n_splits = 1); so does this one.
+float32 products of it: the GEMM is 2 * M flops per bf16 element read (48 at mhc_mult 4). TileKernels'
+n_splits (split-K) is a hint its own op ignores (it sets n_splits = 1); so does this one.
 
-One warp per `tokens_per_warp` tokens: a lane walks the row's columns lane * vec + 32 * vec * i, keeps M + 1
-float32 sums per token (the mixes and the square sum), and the warp adds its lanes' sums with shuffles.
-A block holds `warps` warps; fn is read from global memory (L1/L2: 1.5 MB at mhc_mult 4, hidden 4096),
-once per warp for its tokens_per_warp tokens. float64 reference rounded once; rtol 1e-5. CUDA only.
+Two layouts (`layout`). "lanes" (the default): one warp per `tokens_per_warp` tokens: a lane walks the row's
+columns lane * vec + 32 * vec * i, keeps M + 1 float32 sums per token (the mixes and the square sum), and the
+warp adds its lanes' sums with shuffles. A block holds `warps` warps; fn is read from global memory (L1/L2:
+1.5 MB at mhc_mult 4, hidden 4096), once per warp for its tokens_per_warp tokens. The GEMM's 2 * M flops an
+element then run on the CUDA cores' FMA pipe, which at mhc_mult 4 takes longer than reading x (~0.17 ms
+against ~0.11 ms for 8192 x 28672 on the H200: predicted from the FMA rate, not measured). "mma":
+TileKernels' approach, a TF32 tensor-core GEMM over tiles of block_tokens tokens (see _build_mma);
+mhc_mult3 <= 32. Neither has run on a GPU yet: the tuner, behind its correctness gate, picks between them.
+float64 reference rounded once; rtol 1e-5. CUDA only.
 """
 
 from tkjit.registry import register
@@ -66,11 +70,29 @@ def default(shape):
     # 8 bf16 (16 bytes) per lane access where the row allows; 2 tokens per warp share each fn load; 4 warps
     # (8 tokens) a block: 8K tokens are 1024 blocks.
     tpw = 2 if shape["mhc_mult3"] <= 40 else 1
-    return {"warps": 4, "tokens_per_warp": tpw, "vec": _widest_vec(shape["mhc_hidden"])}
+    return {"layout": "lanes", "warps": 4, "tokens_per_warp": tpw, "vec": _widest_vec(shape["mhc_hidden"]),
+            **MMA_ONLY}
 
 
 def constraint(shape, c):
     k, m, v, tpw = shape["mhc_hidden"], shape["mhc_mult3"], c["vec"], c["tokens_per_warp"]
+    if c["layout"] == "mma":
+        if any(c[key] != val for key, val in LANES_ONLY.items()) or v != 8:
+            return "layout=mma: tokens_per_warp=1, vec=8 only (it does not use them; other values duplicate it)"
+        if m > MMA_N:
+            return f"layout=mma: mhc_mult3={m} > {MMA_N}, the GEMM's width"
+        if k % c["block_k"]:
+            return f"layout=mma: mhc_hidden={k} is not a multiple of block_k={c['block_k']}"
+        if c["warps"] not in (4, 8) or c["block_tokens"] < 16 * c["warps"] // 2:
+            return "layout=mma: 4 or 8 warps, and block_tokens >= 8 * warps (each warp's GEMM rows)"
+        if c["block_tokens"] * c["block_k"] > 8192:
+            # The widened x tile lives in registers: 64 x 256 spills (ptxas: 172-304 bytes at 4 or 8 warps).
+            return "layout=mma: block_tokens * block_k > 8192 (the float32 x tile spills registers)"
+        if (c["block_tokens"] * 2 + MMA_N * 4) * c["block_k"] * max(1, c["stages"]) > 160 * 1024:
+            return "layout=mma: the pipelined x and fn tiles exceed 160 KB of shared memory"
+        return None
+    if any(c[key] != val for key, val in MMA_ONLY.items()):
+        return "layout=lanes: block_tokens=32, block_k=64, stages=1 only (it does not use them)"
     if k % (32 * v):
         return f"vec={v}: mhc_hidden={k} is not a multiple of 32 * vec (one warp access of vec elements a lane)"
     if tpw * (m + 1) + tpw * v > 160:
@@ -78,10 +100,76 @@ def constraint(shape, c):
     return None
 
 
-SPACE = {"warps": (1, 2, 4, 8), "tokens_per_warp": (1, 2, 4, 8), "vec": VECS}
+MMA_N = 32  # the mma layout's GEMM width: fn's rows padded with zeros (M <= 32: mhc_mult up to 4)
+SPACE = {"layout": ("lanes", "mma"), "warps": (1, 2, 4, 8), "tokens_per_warp": (1, 2, 4, 8), "vec": VECS,
+         "block_tokens": (32, 64), "block_k": (64, 128, 256), "stages": (1, 2, 3)}
+LANES_ONLY = {"tokens_per_warp": 1}  # the mma layout's value of what it does not use
+MMA_ONLY = {"block_tokens": 32, "block_k": 64, "stages": 1}  # the lanes layout's value of what it does not use
 
 
 def build(shape, c):
+    return _build_mma(shape, c) if c["layout"] == "mma" else _build_lanes(shape, c)
+
+
+def _build_mma(shape, c):
+    """layout="mma": block_tokens tokens a block; each block_k-column step stages the tokens' x (bf16) and fn's
+    rows (float32, zero rows up to MMA_N) in shared memory, widens x to float32 in registers and runs a TF32
+    tensor-core GEMM into (block_tokens, MMA_N) float32 accumulators, pipelined over `stages` buffers. fn is
+    read once a block (block_tokens tokens share it), where the lanes layout reads it once a warp; and the
+    GEMM's 2 * M flops an element run on tensor cores, not the CUDA cores' FMA pipe (at mhc_mult 4 that pipe
+    needs ~0.17 ms for 8192 x 28672 elements, more than reading them: 0.11 ms at the copy ceiling). The
+    square sums come from the same float32 tile. fn is TF32 already (the op rounds it), bf16 x is exact in
+    TF32 and their products exact in float32: only the order of the float32 sums differs from the lanes
+    layout's."""
+    from tilelang import language as T
+
+    M, K, eps = shape["mhc_mult3"], shape["mhc_hidden"], shape["norm_eps"]
+    bm, bk, threads, stages = c["block_tokens"], c["block_k"], 32 * c["warps"], c["stages"]
+    num_tokens = T.dynamic("num_tokens")
+    f32, bf16 = T.float32, T.bfloat16
+    parts = 4  # square-sum partials a token, summed at the end
+
+    @T.prim_func
+    def mhc_pre_norm_fn(
+        x: T.Tensor[(num_tokens, K), bf16],
+        fn: T.Tensor[(M, K), f32],
+        out: T.Tensor[(num_tokens, M), f32],
+        out_mul: T.Tensor[(num_tokens, M), f32],
+        sqrsum: T.Tensor[(num_tokens,), f32],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, bm), threads=threads) as bx:
+            acc = T.alloc_fragment((bm, MMA_N), f32)
+            sq_part = T.alloc_fragment((bm, parts), f32)
+            sq = T.alloc_fragment((bm,), f32)
+            T.clear(acc)
+            T.clear(sq_part)
+            for kk in T.Pipelined(K // bk, num_stages=stages):
+                xs = T.alloc_shared((bm, bk), bf16)
+                fs = T.alloc_shared((MMA_N, bk), f32)
+                T.copy(x[bx * bm, kk * bk], xs)  # rows past num_tokens read as zeros, stored nowhere
+                for i, j in T.Parallel(MMA_N, bk):
+                    fs[i, j] = T.if_then_else(i < M, fn[T.min(i, M - 1), kk * bk + j], T.float32(0))
+                xh = T.alloc_fragment((bm, bk), bf16)
+                T.copy(xs, xh)
+                xf = T.alloc_fragment((bm, bk), f32)
+                T.copy(xh, xf)
+                for jj in T.serial(bk // parts):
+                    for i, j in T.Parallel(bm, parts):
+                        sq_part[i, j] += xf[i, jj * parts + j] * xf[i, jj * parts + j]
+                T.gemm(xf, fs, acc, transpose_B=True)
+            T.reduce_sum(sq_part, sq, dim=1)
+            for i, m in T.Parallel(bm, MMA_N):
+                if m < M and bx * bm + i < num_tokens:
+                    out_mul[bx * bm + i, m] = acc[i, m]
+                    out[bx * bm + i, m] = acc[i, m] * T.rsqrt(sq[i] / T.float32(K) + T.float32(eps))
+            for i in T.Parallel(bm):
+                if bx * bm + i < num_tokens:
+                    sqrsum[bx * bm + i] = sq[i]
+
+    return mhc_pre_norm_fn
+
+
+def _build_lanes(shape, c):
     from tilelang import language as T
 
     M, K, eps = shape["mhc_mult3"], shape["mhc_hidden"], shape["norm_eps"]

@@ -66,6 +66,23 @@ def test_default_config(name, n0, n1, m, h):
         assert check(kern, shape, seed=seed) is None
 
 
+MMA = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 64, "block_k": 128, "stages": 2}
+
+
+@pytest.mark.parametrize("config", [MMA, {**MMA, "block_tokens": 32, "block_k": 64, "stages": 3},
+                                    {**MMA, "warps": 8, "block_k": 256, "stages": 1}], ids=str)
+@pytest.mark.parametrize("n0, n1, m, h", TK_SHAPES + [(1, 1, 4, 64), (1, 4001, 2, 128), (3, 33, 4, 256)], ids=str)
+def test_mma_layout(config, n0, n1, m, h):
+    """The TF32 tensor-core layout (never measured before this test ran): tail blocks, partial tiles of tokens."""
+    shape = {"num_tokens": n0 * n1, "mhc_mult3": m * (m + 2), "mhc_hidden": m * h}
+    spec = tkjit.get_spec(FWD)
+    if spec.constraint(spec.canonical_shape(shape), config):
+        pytest.skip(spec.constraint(spec.canonical_shape(shape), config))
+    kern = tkjit.get(FWD, shape, config=config)
+    for seed in (0, 1):
+        assert check(kern, shape, seed=seed) is None
+
+
 @pytest.mark.parametrize("weight", [False, True])
 @pytest.mark.parametrize("n0, n1, m, h", TK_SHAPES + ODD[1:], ids=str)
 def test_against_float64_and_tile_kernels(n0, n1, m, h, weight):
