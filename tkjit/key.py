@@ -87,7 +87,7 @@ def _nvcc_dist_version(home: Path) -> str | None:
     """The version of the nvcc wheel that installed the toolkit at home: its dist-info sits in
     home/dist-info (a toolkit assembled from the wheels) or in the site-packages holding home
     (nvidia/cu13 or nvidia/cuda_nvcc). One record only: two would not say which nvcc this is."""
-    for where in (home / "dist-info", home.parent.parent, home.parent):
+    for where in (home / "dist-info", home.parent.parent):
         try:
             names = [m.group(1) for e in os.scandir(where) if (m := _DIST_RE.fullmatch(e.name))]
         except OSError:
