@@ -83,7 +83,7 @@ def constraint(shape, c):
             return f"layout=mma: mhc_mult3={m} > {MMA_N}, the GEMM's width"
         if k % c["block_k"]:
             return f"layout=mma: mhc_hidden={k} is not a multiple of block_k={c['block_k']}"
-        if c["warps"] not in (4, 8) or c["block_tokens"] < 16 * c["warps"] // 2:
+        if c["warps"] not in (4, 8) or c["block_tokens"] < 8 * c["warps"]:
             return "layout=mma: 4 or 8 warps, and block_tokens >= 8 * warps (each warp's GEMM rows)"
         if c["block_tokens"] * c["block_k"] > 8192:
             # The widened x tile lives in registers: 64 x 256 spills (ptxas: 172-304 bytes at 4 or 8 warps).
