@@ -27,6 +27,8 @@
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
+#   fleet     # two `tkjit tune` workers sharing one sinkhorn_fwd study through SQLite on the one GPU, against one
+#             # worker (wall time; each config measured once), after a warm-up study fills the compile cache
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -213,6 +215,28 @@ tune)
   timeout 50 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
   timeout 30 python tools/bench_chain.py --graph > "$OUT/chain.txt" 2>&1
   tail -n 25 "$OUT/pretune.txt"; tail -n 60 "$OUT/bench.txt"; cat "$OUT/hostcost.txt" "$OUT/chain.txt"
+  ;;
+fleet)
+  db=sqlite:////tmp/fleet.db; rm -f /tmp/fleet.db
+  T="python -m tkjit.cli tune sinkhorn_fwd --shape num_tokens=4096 n=4 --storage $db --no-user-db --quiet"
+  { timeout 120 $T --study-prefix warm -j 16 > /dev/null 2>&1; echo "warm-up rc=$?"
+    s=$EPOCHREALTIME; timeout 120 $T --study-prefix one -j 8 > "$OUT/fleet_one.txt" 2>&1; echo "one worker rc=$?"
+    echo "one worker: $(awk "BEGIN{print $EPOCHREALTIME - $s}") s"
+    s=$EPOCHREALTIME
+    timeout 120 $T --study-prefix two -j 8 > "$OUT/fleet_two_a.txt" 2>&1 & a=$!
+    timeout 120 $T --study-prefix two -j 8 > "$OUT/fleet_two_b.txt" 2>&1 & b=$!
+    wait $a; ra=$?; wait $b; echo "two workers rc=$ra,$?: $(awk "BEGIN{print $EPOCHREALTIME - $s}") s"
+    python - <<'PY'
+import collections, optuna
+st = optuna.storages.RDBStorage("sqlite:////tmp/fleet.db")
+for s in optuna.get_all_study_summaries(st):
+    trials = optuna.load_study(study_name=s.study_name, storage=st).get_trials(deepcopy=False)
+    states = collections.Counter(t.state.name for t in trials)
+    configs = collections.Counter(tuple(sorted(t.params.items())) for t in trials if t.state.name == "COMPLETE")
+    print(s.study_name, dict(states), "distinct configs", len(configs), "measured twice", sum(v > 1 for v in configs.values()))
+PY
+  } > "$OUT/fleet.txt" 2>&1
+  cat "$OUT/fleet.txt"
   ;;
 final)  # what the two stages above left: the fixed autograd test, the rest of the files, launch floor
   timeout 60 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k autograd > "$OUT/pytest_final.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_final.txt"
