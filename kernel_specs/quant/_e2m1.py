@@ -77,3 +77,21 @@ def decode_bits_tl(T, code):
     m = code & T.uint32(7)
     mag = T.if_then_else(m >= T.uint32(2), (m << T.uint32(22)) + T.uint32(126 << 23), m * T.uint32(126 << 23))
     return mag | ((code & T.uint32(8)) << T.uint32(28))
+
+
+def chunk_codes_macro(T, *, vec: int):
+    """A T.macro encode_chunk(xs, i, inv, bits, ob): the vec values xs[i * vec + v] of chunk slot i, times inv[0]
+    in float32, encoded (`encode_tl`) and packed two codes per byte, the even value in the low nibble, into the
+    int8 ob[0 : vec / 2], ready for one vector store; bits is a uint32 scratch of vec entries. Buffers and
+    variables as arguments, expressions built inside: an expression argument would become a let binding and
+    change the TIR of the inline code it replaces."""
+    f32, u32, i8 = T.float32, T.uint32, T.int8
+
+    @T.macro
+    def encode_chunk(xs, i, inv, bits, ob):
+        for v in T.unroll(vec):
+            bits[v] = T.reinterpret(T.cast(xs[i * vec + v], f32) * inv[0], u32)
+        for v in T.unroll(vec // 2):
+            ob[v] = T.cast(encode_tl(T, bits[2 * v]) | (encode_tl(T, bits[2 * v + 1]) << u32(4)), i8)
+
+    return encode_chunk

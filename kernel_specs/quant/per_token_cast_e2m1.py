@@ -60,13 +60,12 @@ def build(shape, c, col_major):
                                           padded_tokens=sf_shape[1])
     x_stride = T.dynamic(stride_name("x", 0))
 
+    encode_chunk = _e2m1.chunk_codes_macro(T, vec=vec)
+
     @T.macro
     def cast_store(out, xs, bits, ob, inv, row, col, i, t):
         # Chunk slot i of thread t: vec values scaled and encoded, packed low nibble first, one vector store.
-        for v in T.unroll(vec):
-            bits[v] = T.reinterpret(T.cast(xs[i * vec + v], f32) * inv[0], u32)
-        for v in T.unroll(hv):
-            ob[v] = T.cast(_e2m1.encode_tl(T, bits[2 * v]) | (_e2m1.encode_tl(T, bits[2 * v + 1]) << u32(4)), i8)
+        encode_chunk(xs, i, inv, bits, ob)
         for v in T.vectorized(hv):
             out[row, col // 2 + (i * tpg + t) * hv + v] = ob[v]
 
