@@ -380,6 +380,9 @@ VARIANTS = [
                                                                                            "num_weights": 1},
                                                args=lambda shape, named: {"clamped_count": None})),
     ("transpose", Case("batched_transpose", shape={"dtype": "float32"})),
+    ("per_block_cast", Case("per_block_cast", shape={"fmt": "e2m1"})),
+    ("per_block_cast_colmajor", Case("per_block_cast_colmajor", shape={"fmt": "e2m1", "round_scale": True})),
+    ("per_block_cast_with_sf", Case("per_block_cast_with_sf", shape={"fmt": "e2m1"})),
 ]
 
 

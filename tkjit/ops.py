@@ -317,11 +317,13 @@ def _cast_back(name: str, x: torch.Tensor, sf: torch.Tensor, block_size, out_dty
 
 def per_block_cast(
     x: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, round_scale: bool = False,
-    col_major_scales: bool = False, packed_ue8m0: bool = False, config=None
+    col_major_scales: bool = False, packed_ue8m0: bool = False, fmt: str = "e4m3", config=None
 ):
-    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales), one scale per
+    """(num_tokens, hidden) bf16/f32 -> (values, float32 scales), one scale per
     block_size = (block_m, block_k) tile: scales is (ceil(num_tokens / block_m), ceil(hidden / block_k)),
-    a partial last tile's scale over its real elements. col_major_scales: the strided view
+    a partial last tile's scale over its real elements. fmt 'e4m3': fp8 values (num_tokens, hidden), scales
+    amax / 448; 'e2m1': FP4 values as TileKernels stores them, int8 (num_tokens, hidden / 2) with two codes per
+    byte (the even channel in the low nibble), scales amax / 6. col_major_scales: the strided view
     storage[:, :rows].T of a TMA-aligned column-major (cols, align(rows, 4)) buffer (padding 0), as
     TileKernels' `use_tma_aligned_col_major_sf` returns; packed_ue8m0 (with col_major_scales): the
     exponents, four column blocks per int32 (`tkjit.scales.pack_ue8m0`); exact scales need round_scale.
@@ -333,22 +335,22 @@ def per_block_cast(
     eager = _eager(x)
     if not col_major_scales:
         op = torch_ops.per_block_cast_impl if eager else torch.ops.tkjit.per_block_cast.default
-        return op(x, block_m, block_k, round_scale, cfg)
+        return op(x, block_m, block_k, round_scale, fmt, cfg)
     op = torch_ops.per_block_cast_colmajor_impl if eager else torch.ops.tkjit.per_block_cast_colmajor.default
-    q, storage = op(x, block_m, block_k, round_scale, cfg)
+    q, storage = op(x, block_m, block_k, round_scale, fmt, cfg)
     if packed_ue8m0:
         storage = pack_ue8m0(storage)
     return q, storage[:, : (x.shape[0] + block_m - 1) // block_m].T
 
 
 def per_block_cast_with_sf(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[int, int] = (128, 128), *,
-                           config=None) -> torch.Tensor:
+                           fmt: str = "e4m3", config=None) -> torch.Tensor:
     """per_block_cast's values with given float32 scales sf (ceil(num_tokens / block_m), ceil(hidden / block_k)),
-    row-major (any row stride): fp8 e4m3 of clamp(x * (1 / sf), -448, 448) per tile."""
+    row-major (any row stride): fmt 'e4m3' fp8 of clamp(x * (1 / sf), -448, 448) per tile, or 'e2m1' the FP4 codes
+    of x * (1 / sf) (saturating at 6), two per int8 (num_tokens, hidden / 2)."""
     block_m, block_k = block_size
-    if _eager(x, sf):
-        return torch_ops.per_block_cast_with_sf_impl(x, sf, block_m, block_k, encode_config(config))
-    return torch.ops.tkjit.per_block_cast_with_sf.default(x, sf, block_m, block_k, encode_config(config))
+    op = torch_ops.per_block_cast_with_sf_impl if _eager(x, sf) else torch.ops.tkjit.per_block_cast_with_sf.default
+    return op(x, sf, block_m, block_k, fmt, encode_config(config))
 
 
 # -- per_channel_cast ---------------------------------------------------------------------------------

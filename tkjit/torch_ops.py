@@ -1058,41 +1058,52 @@ cast_back, cast_back_colmajor = _op_pair(
 
 # -- per_block_cast ----------------------------------------------------------------------------------
 
-_BLOCK_CAST_SCHEMA = ("(Tensor x, int block_m=128, int block_k=128, bool round_scale=False, str? config=None) "
-                      "-> (Tensor, Tensor)")
+_BLOCK_CAST_SCHEMA = ("(Tensor x, int block_m=128, int block_k=128, bool round_scale=False, str fmt='e4m3', "
+                      "str? config=None) -> (Tensor, Tensor)")
+_BLOCK_CAST_FORMATS = {"e4m3": torch.float8_e4m3fn, "e2m1": torch.int8}  # values' dtype (e2m1: two codes per byte)
 
 
-def _block_static(name, x, block_m, block_k, round_scale=None) -> dict:
-    """per_block_cast's static params read off x (round_scale: None for the given-scales spec)."""
+def _block_static(name, x, block_m, block_k, fmt, round_scale=None) -> dict:
+    """per_block_cast's static params read off x (round_scale: None for the given-scales spec), or
+    TensorError / ShapeError naming x / fmt."""
     _need(x, (2,), name)
-    shape = {"hidden": int(x.shape[1]), "block_m": block_m, "block_k": block_k, "in_dtype": dtype_name(x.dtype)}
+    if not isinstance(fmt, str) or fmt not in _BLOCK_CAST_FORMATS:
+        raise ShapeError(f"{name}: fmt must be one of {list(_BLOCK_CAST_FORMATS)}, got {fmt!r}")
+    shape = {"hidden": int(x.shape[1]), "block_m": block_m, "block_k": block_k, "in_dtype": dtype_name(x.dtype),
+             "fmt": fmt}
     if round_scale is not None:
         shape["round_scale"] = round_scale
     return shape
 
 
-def _block_cast(name, x, block_m, block_k, round_scale, config):
-    shape = {**_block_static(name, x, block_m, block_k, round_scale), "num_tokens": max(1, x.shape[0])}
+def _fake_block_values(x, fmt) -> torch.Tensor:
+    """The fake values: (num_tokens, hidden) e4m3, or (num_tokens, hidden / 2) int8 of e2m1 pairs."""
+    width = int(x.shape[1]) // 2 if fmt == "e2m1" else int(x.shape[1])
+    return x.new_empty((x.shape[0], width), dtype=_BLOCK_CAST_FORMATS[fmt])
+
+
+def _block_cast(name, x, block_m, block_k, round_scale, fmt, config):
+    shape = {**_block_static(name, x, block_m, block_k, fmt, round_scale), "num_tokens": max(1, x.shape[0])}
     return get(name, shape, arch=arch_of(x), config=_config(config))(x)
 
 
-def _fake_block_cast(name, x, block_m, block_k, round_scale):
+def _fake_block_cast(name, x, block_m, block_k, round_scale, fmt):
     """(fake values, scale rows ceil(num_tokens / block_m), scale columns ceil(hidden / block_k))."""
-    _fake_check(name, _block_static(name, x, block_m, block_k, round_scale), x)
-    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn), (x.shape[0] + block_m - 1) // block_m,
-            -(-int(x.shape[1]) // block_k))
+    _fake_check(name, _block_static(name, x, block_m, block_k, fmt, round_scale), x)
+    return _fake_block_values(x, fmt), (x.shape[0] + block_m - 1) // block_m, -(-int(x.shape[1]) // block_k)
 
 
-def per_block_cast_impl(x, block_m=128, block_k=128, round_scale=False, config=None):
-    """(num_tokens, hidden) bf16/f32 -> (fp8 e4m3 values, float32 scales (ceil(num_tokens / block_m),
-    ceil(hidden / block_k)), one per block_m x block_k tile)."""
-    return _block_cast("per_block_cast", x, block_m, block_k, round_scale, config)
+def per_block_cast_impl(x, block_m=128, block_k=128, round_scale=False, fmt="e4m3", config=None):
+    """(num_tokens, hidden) bf16/f32 -> (values, float32 scales (ceil(num_tokens / block_m), ceil(hidden / block_k)),
+    one per block_m x block_k tile). Values: fmt 'e4m3' fp8 (num_tokens, hidden), or 'e2m1' int8 (num_tokens,
+    hidden / 2) holding two FP4 codes per byte, the even channel in the low nibble."""
+    return _block_cast("per_block_cast", x, block_m, block_k, round_scale, fmt, config)
 
 
-def per_block_cast_colmajor_impl(x, block_m=128, block_k=128, round_scale=False, config=None):
+def per_block_cast_colmajor_impl(x, block_m=128, block_k=128, round_scale=False, fmt="e4m3", config=None):
     """per_block_cast with the scales' TMA-aligned column-major storage (ceil(hidden / block_k),
     align(ceil(num_tokens / block_m), 4))."""
-    return _block_cast("per_block_cast_colmajor", x, block_m, block_k, round_scale, config)
+    return _block_cast("per_block_cast_colmajor", x, block_m, block_k, round_scale, fmt, config)
 
 
 per_block_cast, per_block_cast_colmajor = _op_pair(
@@ -1100,25 +1111,25 @@ per_block_cast, per_block_cast_colmajor = _op_pair(
 )
 
 
-def per_block_cast_with_sf_impl(x, sf, block_m=128, block_k=128, config=None):
+def per_block_cast_with_sf_impl(x, sf, block_m=128, block_k=128, fmt="e4m3", config=None):
     """x (num_tokens, hidden) bf16/f32 and float32 scales (ceil(num_tokens / block_m), ceil(hidden / block_k))
-    -> fp8 e4m3 values fp8(clamp(x / sf, -448, 448)) per block."""
-    shape = {**_block_static("per_block_cast_with_sf", x, block_m, block_k), "num_tokens": max(1, x.shape[0])}
+    -> values per block: fmt 'e4m3' fp8(clamp(x / sf, -448, 448)), or 'e2m1' e2m1(x / sf) packed two per int8."""
+    shape = {**_block_static("per_block_cast_with_sf", x, block_m, block_k, fmt), "num_tokens": max(1, x.shape[0])}
     return get("per_block_cast_with_sf", shape, arch=arch_of(x), config=_config(config))(x, sf)
 
 
 per_block_cast_with_sf = torch.library.custom_op(
     "tkjit::per_block_cast_with_sf", mutates_args=(),
-    schema="(Tensor x, Tensor sf, int block_m=128, int block_k=128, str? config=None) -> Tensor",
+    schema="(Tensor x, Tensor sf, int block_m=128, int block_k=128, str fmt='e4m3', str? config=None) -> Tensor",
 )(per_block_cast_with_sf_impl)
 
 
 @per_block_cast_with_sf.register_fake
-def _(x, sf, block_m=128, block_k=128, config=None):
+def _(x, sf, block_m=128, block_k=128, fmt="e4m3", config=None):
     name = "per_block_cast_with_sf"
-    _fake_check(name, _block_static(name, x, block_m, block_k), x, sf)
+    _fake_check(name, _block_static(name, x, block_m, block_k, fmt), x, sf)
     _check_block_rows(name, sf, x.shape[0], block_m)
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    return _fake_block_values(x, fmt)
 
 
 # -- per_channel_cast ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The FP4 e2m1 format the e2m1 specs share (per_token_cast_e2m1 writes it, cast_back reads it).
+"""The FP4 e2m1 format the e2m1 specs share (per_token_cast_e2m1 and per_block_cast write it, cast_back reads it).
 
 e2m1 is a 4-bit code: sign (bit 3), 2 exponent bits, 1 mantissa bit, bias 1, no infinities or NaNs:
     codes 0..7  ->  0, 0.5, 1, 1.5, 2, 3, 4, 6     (8..15: the same, negative; code 8 is -0.0)
@@ -24,6 +24,9 @@ E2M1_MAX = 6.0  # the scale maps a group's amax here
 AMAX_MIN = 6.0 * 2.0**-126  # TileKernels clamps the amax from below with this: the smallest scale is 2^-126
 AMAX_MIN_BITS = 0x01C00000  # its float32 bits (a kernel reinterprets them: no decimal literal to round)
 ONE, QUARTER, THREE_QUARTERS = 0x3F800000, 0x3E800000, 0x3F400000  # float32 bits of 1, 0.25, 0.75
+# Sixteen values whose codes are known at scale 1 (amax 6), for the casts' inputs: the seven ties between neighbouring
+# magnitudes (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), both zeros, values near ties, 6.
+TIES = (0.25, -0.75, 1.25, -1.75, 2.5, -3.5, 5.0, -6.0, 0.0, -0.0, 0.1, -0.3, 6.0, 4.5, 2.75, 0.5)
 
 
 # -- torch (the references) -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""per_block_cast: x (num_tokens, hidden) bf16/f32 -> FP8 e4m3 values + one float32 scale per
+"""per_block_cast: x (num_tokens, hidden) bf16/f32 -> FP8 e4m3 (or FP4 e2m1) values + one float32 scale per
 (block_m x block_k) tile of x.
 
 For every tile of block_m tokens and block_k channels (the last row and column of tiles may be partial):
@@ -13,6 +13,15 @@ amax is over its real elements only (the reference masks the padding out). The k
 against the references below for finite inputs (inf/NaN inputs are not supported: the clamp turns a NaN
 product into 448 where torch keeps NaN).
 
+fmt='e2m1' (a static param; TileKernels' `per_block_cast(x, 'e2m1', ...)` and `cast(x, 'e2m1', block)`): the same
+tiles and scale layouts, with e2m1's constants and encoding (`_e2m1`):
+    amax  clamped to >= 6 * 2^-126 (TileKernels' e2m1 clamp: the smallest scale 2^-126)
+    scale = amax / 6, round_scale as above, inv = 6 / amax (or 1 / scale)
+    out   = e2m1(x * inv)                   (nearest, ties to even, saturating at 6, the sign kept: no clamp)
+stored as TileKernels stores FP4: int8 (num_tokens, hidden / 2), channel 2j in the low nibble of byte j. The
+kernel's store scales a chunk's vec values, encodes them with integer work on their float32 bits
+(`_e2m1.chunk_codes_macro`, as per_token_cast_e2m1) and writes vec / 2 bytes, one vector store.
+
 Three specs share this file and one builder:
   per_block_cast           scales (ceil(T / block_m), ceil(hidden / block_k)) float32, row-major.
   per_block_cast_colmajor  the scales stored column-major and TMA-aligned, the layout DeepGEMM reads
@@ -24,7 +33,7 @@ Three specs share this file and one builder:
                            does; packed UE8M0 scales are `tkjit.scales.pack_ue8m0` of this storage.
   per_block_cast_with_sf   the cast with given scales (TileKernels' `per_block_cast_with_precomputed_sf`):
                            x and float32 sf (ceil(T / block_m), ceil(hidden / block_k)), row-major, any row
-                           stride -> out = fp8_e4m3(clamp(x * (1 / sf), -448, 448)).
+                           stride -> out = fp8_e4m3(clamp(x * (1 / sf), -448, 448)) (e2m1: e2m1(x * (1 / sf))).
 Why three specs: the column-major layout puts the runtime axis of the scales second, which a TensorArg's
 fixed dims tuple cannot switch on a static param (as for per_token_cast_colmajor); the given-scales cast
 takes another input and has one output. A scales-only variant is not a spec: the compat layer drops the
@@ -54,6 +63,7 @@ import torch
 from tkjit.registry import register
 from tkjit.scales import TMA_ALIGN, tma_aligned
 from tkjit.spec import CeilDiv, KernelSpec, Runtime, Static, TensorArg, Tolerance, cuda_only, plain_threads, stride_name
+from tkjit_kernels.quant import _e2m1
 from tkjit_kernels.quant._scale import scale_macro, ue8m0_ceil
 
 BLOCKS_M = (1, 32, 64, 128)  # TileKernels' per_block_cast takes 32 and 128; 1 and 64 come free
@@ -61,6 +71,8 @@ BLOCKS_K = (32, 64, 128)
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
 MAX_ELEMS_PER_THREAD = 128  # registers per thread for the staged x
+FORMATS = ("e4m3", "e2m1")  # FP8, or FP4 stored two codes per int8 byte (TileKernels' e2m1 storage)
+OUT_DTYPES = {"e4m3": "float8_e4m3fn", "e2m1": "int8"}
 SPACE = {
     "vec": (4, 8, 16),  # elements per chunk (one or two 16-byte loads)
     "tile_k": (32, 64, 128, 256, 512, 1024, 2048),  # columns per CTA: a multiple of block_k
@@ -70,6 +82,21 @@ SPACE = {
 
 def _elem_bytes(shape):
     return 2 if shape["in_dtype"] == "bfloat16" else 4
+
+
+def is_fp4(shape) -> bool:
+    """Whether the values are e2m1 (a shape without fmt, as some callers of the references give, is e4m3)."""
+    return shape.get("fmt", "e4m3") == "e2m1"
+
+
+def out_width(shape) -> int:
+    """The values' row length: hidden elements, or hidden / 2 bytes of packed e2m1 pairs."""
+    return shape["hidden"] // 2 if is_fp4(shape) else shape["hidden"]
+
+
+def format_limits(shape) -> tuple[float, float]:
+    """(the value a block's amax maps to, the amax's lower clamp) of the output format."""
+    return (_e2m1.E2M1_MAX, _e2m1.AMAX_MIN) if is_fp4(shape) else (FP8_MAX, AMAX_MIN)
 
 
 def num_blocks_k(shape) -> int:
@@ -136,6 +163,8 @@ def constraint(shape, c):
         return f"threads / (tile_k / vec) = {rpp} rows per pass exceed block_m={bm}"
     if (bm // rpp) * vec > MAX_ELEMS_PER_THREAD:
         return f"{(bm // rpp) * vec} elements per thread would spill (max {MAX_ELEMS_PER_THREAD})"
+    if is_fp4(shape) and vec % 2:
+        return f"vec={vec}: an e2m1 chunk must fill whole bytes (two codes each)"
     return None
 
 
@@ -164,6 +193,7 @@ def _build(shape, c, layout):
 
     H, BM, BK = shape["hidden"], shape["block_m"], shape["block_k"]
     in_dtype, round_scale = shape["in_dtype"], shape.get("round_scale", False)
+    fp4 = is_fp4(shape)
     vec, W, threads = c["vec"], c["tile_k"], c["threads"]
     cpr, rpp, rpt = _layout(shape, c)
     cb = BK // vec  # chunks per block row
@@ -178,13 +208,16 @@ def _build(shape, c, layout):
     nw = threads // span  # warps sharing one block (one per row pass when a row spans warps)
     per_thread = rpt * vec
     num_tokens = T.dynamic("num_tokens")
-    f32, fp8 = T.float32, T.float8_e4m3fn
+    f32, fp8, u32 = T.float32, T.float8_e4m3fn, T.uint32
+    hv = vec // 2  # e2m1: bytes of a chunk's output
+    out_shape, out_dtype = ((num_tokens, H // 2), T.int8) if fp4 else ((num_tokens, H), fp8)
     nbm = T.ceildiv(num_tokens, BM)  # the TensorArgs' CeilDiv("num_tokens", "block_m"): same expression
     if layout == "col":
         sf_shape = (NBK, T.ceildiv(nbm, TMA_ALIGN) * TMA_ALIGN)
     else:
         sf_shape = (nbm, NBK)
-    group_scale = scale_macro(T, max_value=FP8_MAX, round_scale=round_scale)
+    group_scale = scale_macro(T, max_value=format_limits(shape)[0], round_scale=round_scale)
+    encode_chunk = _e2m1.chunk_codes_macro(T, vec=vec) if fp4 else None
 
     @T.macro
     def body(x, out, scales):
@@ -196,6 +229,9 @@ def _build(shape, c, layout):
             inv = T.alloc_local((1,), f32)
             if layout != "given" and nw > 1:
                 red = T.alloc_shared((nw * nbw,), f32)
+            if fp4:
+                bits = T.alloc_local((vec,), u32)
+                ob = T.alloc_local((hv,), T.int8)
             rb = bx // NTK  # block row
             tk = bx % NTK  # tile of the row
             cc = tx % cpr
@@ -225,7 +261,10 @@ def _build(shape, c, layout):
                     T.sync_threads()
                     for w in T.unroll(nw):
                         amax[0] = T.max(amax[0], red[w * nbw + j])
-                amax[0] = T.max(amax[0], T.float32(AMAX_MIN))
+                if fp4:  # the clamp as its bits: 6 * 2^-126 exactly, whatever decimal a literal would print
+                    amax[0] = T.max(amax[0], T.reinterpret(u32(_e2m1.AMAX_MIN_BITS), f32))
+                else:
+                    amax[0] = T.max(amax[0], T.float32(AMAX_MIN))
                 group_scale(amax, sf, inv, 0)
                 if tx < cpr and cc % cb == 0 and chunk < HC:  # the block's first chunk, in a real block
                     if layout == "col":
@@ -239,12 +278,17 @@ def _build(shape, c, layout):
             for i in T.unroll(rpt):
                 row = row0 + i * rpp
                 if row <= last and chunk < HC:
-                    for v in T.vectorized(vec):
-                        out[row, chunk * vec + v] = T.cast(
-                            T.max(T.min(T.cast(xs[i * vec + v], f32) * inv[0], T.float32(FP8_MAX)),
-                                  T.float32(-FP8_MAX)),
-                            fp8,
-                        )
+                    if fp4:  # no clamp: the encoding saturates at 6
+                        encode_chunk(xs, i, inv, bits, ob)
+                        for v in T.vectorized(hv):
+                            out[row, chunk * hv + v] = ob[v]
+                    else:
+                        for v in T.vectorized(vec):
+                            out[row, chunk * vec + v] = T.cast(
+                                T.max(T.min(T.cast(xs[i * vec + v], f32) * inv[0], T.float32(FP8_MAX)),
+                                      T.float32(-FP8_MAX)),
+                                fp8,
+                            )
 
     if layout == "given":
         sf_stride = T.dynamic(stride_name("sf", 0))  # sf may be a row-strided view (TileKernels takes one)
@@ -253,7 +297,7 @@ def _build(shape, c, layout):
         def per_block_cast_with_sf(
             x: T.Tensor[(num_tokens, H), in_dtype],
             sf: T.StridedTensor(sf_shape, (sf_stride, 1), f32),
-            out: T.Tensor[(num_tokens, H), fp8],
+            out: T.Tensor[out_shape, out_dtype],
         ):
             body(x, out, sf)
 
@@ -262,7 +306,7 @@ def _build(shape, c, layout):
     @T.prim_func
     def per_block_cast(
         x: T.Tensor[(num_tokens, H), in_dtype],
-        out: T.Tensor[(num_tokens, H), fp8],
+        out: T.Tensor[out_shape, out_dtype],
         scales: T.Tensor[sf_shape, f32],
     ):
         body(x, out, scales)
@@ -281,16 +325,21 @@ def _tiles(shape, x):
 
 
 def _cast(shape, x, inv):
-    """fp8(clamp(x * inv)) with inv (num_blocks_m, 1, num_blocks_k, 1), cropped back to x's shape."""
+    """fp8(clamp(x * inv)) with inv (num_blocks_m, 1, num_blocks_k, 1), cropped back to x's shape; for e2m1 the
+    codes of x * inv, packed two per byte (int8 (num_tokens, hidden / 2))."""
     n, h = x.shape
-    q = (_tiles(shape, x) * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    y = _tiles(shape, x) * inv
+    if is_fp4(shape):
+        return _e2m1.pack(_e2m1.encode(y).view(y.shape[0] * y.shape[1], -1)[:n, :h])
+    q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(q.shape[0] * q.shape[1], -1)[:n, :h].contiguous()
 
 
 def scales_and_inverses(shape, x):
     """(scales (num_blocks_m, 1, num_blocks_k, 1), their inverses), as TileKernels' reference computes them."""
-    amax = _tiles(shape, x).abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_MIN)
-    full = torch.full_like(amax, FP8_MAX)
+    top, floor = format_limits(shape)
+    amax = _tiles(shape, x).abs().amax(dim=(1, 3), keepdim=True).clamp(min=floor)
+    full = torch.full_like(amax, top)
     sf = amax / full
     if shape["round_scale"]:
         sf = ue8m0_ceil(sf)
@@ -313,7 +362,7 @@ def reference_colmajor(shape, x):
 
 
 def reference_with_sf(shape, x, sf):
-    """TileKernels' reference with given scales: x * sf.reciprocal(), clamped, cast."""
+    """TileKernels' reference with given scales: x * sf.reciprocal(), clamped, cast (e2m1: encoded)."""
     return _cast(shape, x, sf.cpu().float().reciprocal()[:, None, :, None])
 
 
@@ -329,12 +378,31 @@ def make_inputs(shape, device="cpu", seed=0):
         x[5] = 0
     if n > 40:
         x[32:40, :32] = 1e-6 * torch.randn(8, min(h, 32), generator=g)  # a tiny 8 x 32 corner
+    if is_fp4(shape):
+        _put_ties(shape, x)
     return (x.to(getattr(torch, shape["in_dtype"])).to(device),)
+
+
+# Per block column, cycling: scale 1 (amax 6), 2^-100 (an exact inverse 2^100), 3 (an inexact inverse) and 2^-130
+# (float32 subnormals under the e2m1 clamp: inverse 2^126).
+TIE_FACTORS = (1.0, 2.0**-100, 3.0, 2.0**-130)
+
+
+def _put_ties(shape, x):
+    """e2m1: the last block row (when there are two or more) made of `_e2m1.TIES` rows, whose codes are known at
+    scale 1 (every 16 channels hold 6, so every block's amax is 6 times its block column's TIE_FACTORS entry)."""
+    n, h, bm, bk = x.shape[0], shape["hidden"], shape["block_m"], shape["block_k"]
+    first = (-(-n // bm) - 1) * bm
+    if first == 0:
+        return
+    ties = torch.tensor(_e2m1.TIES, dtype=torch.float32).repeat(h // 16)
+    factors = torch.tensor(TIE_FACTORS, dtype=torch.float32)[(torch.arange(h) // bk) % len(TIE_FACTORS)]
+    x[first:] = ties * factors
 
 
 def make_inputs_with_sf(shape, device="cpu", seed=0):
     """x as per_block_cast's, and scales near its own (times 2^[-2, 2) and some other factors), so that
-    some products pass 448 and are clamped; a few scales are exact powers of two."""
+    some products pass 448 (e2m1: 6) and are clamped (saturate); a few scales are exact powers of two."""
     (x,) = make_inputs(shape, "cpu", seed)
     g = torch.Generator(device="cpu").manual_seed(seed + 1000)
     sf, _ = scales_and_inverses({**shape, "round_scale": False}, x)
@@ -352,7 +420,7 @@ def _num_blocks_m(s) -> int:
 
 def _bytes_moved(s, sf_cols=None):
     n, h = s["num_tokens"], s["hidden"]
-    return n * h * (_elem_bytes(s) + 1) + num_blocks_k(s) * (sf_cols or _num_blocks_m(s)) * 4
+    return n * (h * _elem_bytes(s) + out_width(s)) + num_blocks_k(s) * (sf_cols or _num_blocks_m(s)) * 4
 
 
 PARAMS = (
@@ -361,6 +429,8 @@ PARAMS = (
     Static("block_m", values=BLOCKS_M, default=128, doc="tokens per scale block"),
     Static("block_k", values=BLOCKS_K, default=128, doc="channels per scale block"),
     Static("in_dtype", type=str, values=("bfloat16", "float32"), default="bfloat16"),
+    Static("fmt", type=str, values=FORMATS, default="e4m3",
+           doc="values: e4m3 (float8_e4m3fn) or e2m1 (int8, two FP4 codes per byte)"),
     Static("round_scale", type=bool, default=False, doc="round scales up to powers of two (UE8M0)"),
 )
 EXAMPLES = (
@@ -369,6 +439,8 @@ EXAMPLES = (
     {"num_tokens": 4096, "hidden": 7168, "block_m": 32, "block_k": 32},
     {"num_tokens": 7168, "hidden": 2048, "round_scale": True},
     {"num_tokens": 4096, "hidden": 4096, "in_dtype": "float32"},
+    {"num_tokens": 4096, "hidden": 7168, "fmt": "e2m1"},
+    {"num_tokens": 4096, "hidden": 7168, "block_m": 32, "block_k": 32, "fmt": "e2m1", "round_scale": True},
 )
 COMMON = dict(
     family="quant",
@@ -381,13 +453,13 @@ COMMON = dict(
     tolerance=Tolerance(exact=True),
 )
 _X = TensorArg("x", lambda s: s["in_dtype"], ("num_tokens", "hidden"), align=x_align)
-_OUT = TensorArg("out", "float8_e4m3fn", ("num_tokens", "hidden"))
+_OUT = TensorArg("out", lambda s: OUT_DTYPES[s["fmt"]], ("num_tokens", out_width))
 _ROWS = CeilDiv("num_tokens", "block_m")
 
 SPEC = register(
     KernelSpec(
         name="per_block_cast",
-        doc="per-(block_m x block_k) FP8 e4m3 cast with float32 scales (amax / 448), scales row-major",
+        doc="per-(block_m x block_k) FP8 e4m3 / FP4 e2m1 cast with float32 scales (amax / 448 or 6), row-major",
         params=PARAMS,
         build=build,
         inputs=(_X,),
@@ -422,7 +494,7 @@ SPEC_COLMAJOR = register(
 SPEC_WITH_SF = register(
     KernelSpec(
         name="per_block_cast_with_sf",
-        doc="per_block_cast's values with given float32 scales (x / sf per block, clamped, e4m3)",
+        doc="per_block_cast's values with given float32 scales (x / sf per block, clamped, e4m3; or e2m1)",
         params=PARAMS[:-1],  # no round_scale: the scales are given
         build=build_with_sf,
         inputs=(_X, TensorArg("sf", "float32", (_ROWS, num_blocks_k), strided=True, align=4)),

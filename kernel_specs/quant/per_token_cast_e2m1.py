@@ -113,18 +113,13 @@ def build(shape, c, col_major):
     return per_token_cast_e2m1
 
 
-# Sixteen values whose codes are known at scale 1 (amax 6): the seven ties between neighbouring magnitudes
-# (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), both zeros, values near ties, 6.
-TIES = (0.25, -0.75, 1.25, -1.75, 2.5, -3.5, 5.0, -6.0, 0.0, -0.0, 0.1, -0.3, 6.0, 4.5, 2.75, 0.5)
-
-
 def make_inputs(shape, device="cpu", seed=0):
-    """per_token_cast's rows (many magnitudes, some under 1e-4, one all zero), and rows of TIES (every group
+    """per_token_cast's rows (many magnitudes, some under 1e-4, one all zero), and rows of `_e2m1.TIES` (every group
     holds 6: its amax): at scale 1 (row 7), scale 2^-100 (row 9, an exact inverse 2^100), times 3 (row 11, an
     inexact inverse), and times 2^-130 (row 13, float32 subnormals under the clamp: inverse 2^126)."""
     (x,) = _e4m3.make_inputs(shape, "cpu", seed)
     n, h = x.shape
-    ties = torch.tensor(TIES, dtype=torch.float32).repeat(h // 16)
+    ties = torch.tensor(_e2m1.TIES, dtype=torch.float32).repeat(h // 16)
     for row, factor in ((7, 1.0), (9, 2.0**-100), (11, 3.0), (13, 2.0**-130)):
         if n > row:
             x[row] = (ties * factor).to(x.dtype)

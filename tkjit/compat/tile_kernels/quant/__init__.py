@@ -1,9 +1,9 @@
 """TileKernels' `quant`: FP8/FP4 casts. tkjit serves `per_token_cast` (fmt 'e4m3': its per_token_cast
 kernels; 'e2m1': its per_token_cast_e2m1 kernels; 'e5m6': its per_token_cast_e5m6 kernels) and
-`per_token_cast_with_sf_only` (e4m3, e2m1), `per_token_cast_with_precomputed_sf` (e4m3: the per_block_cast_with_sf
-kernels with one-token blocks),
-`per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt='e4m3' (its
-per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose`, `per_channel_cast_fused` and
+`per_token_cast_with_sf_only` (e4m3, e2m1), `per_token_cast_with_precomputed_sf` (e4m3, e2m1: the
+per_block_cast_with_sf kernels with one-token blocks),
+`per_block_cast`, `per_block_cast_with_sf_only` and `per_block_cast_with_precomputed_sf` for fmt 'e4m3' and 'e2m1'
+(its per_block_cast kernels), `per_channel_cast`, `per_channel_cast_and_transpose`, `per_channel_cast_fused` and
 `swiglu_forward_and_per_channel_cast_and_transpose` for fmt='e4m3' (its kernels of the same names), `cast_back`
 and `per_token_cast_back` (its cast_back kernels; x_special_fmt='e5m6': its cast_back_e5m6 kernels),
 `swiglu_forward_and_per_token_cast` (fmt 'e4m3', every option; its kernels of the same name),
@@ -56,6 +56,9 @@ ceil(num_tokens / block_m) scale rows and ceil(hidden / block_k) columns: row-ma
 column-major, or packed UE8M0 int32 (four column blocks per int32). `_with_sf_only` returns the scales
 (tkjit's kernel writes the values too; they are dropped); `_with_precomputed_sf` takes float32 row-major
 scales (any row stride; not column-major nor packed, as TileKernels asserts) and returns the values.
+fmt='e2m1' is the same with per_token_cast's e2m1 values and scales: int8 (num_tokens, hidden / 2) of two FP4
+codes per byte, scales amax / 6 (the amax clamped to >= 6 * 2^-126), bit-exact with TileKernels' torch reference;
+with precomputed scales the codes of x * (1 / sf) (saturating at 6).
 
 per_channel_cast(x, 'e4m3', num_per_tokens) and per_channel_cast_and_transpose (tkjit's kernels of the
 same names) return
@@ -128,7 +131,8 @@ from tkjit.compat.tile_kernels.quant.types import QuantTensor
 from tkjit.errors import ShapeError, TensorError
 
 FAMILY = "quant"
-FORMATS = ("e5m6", "e4m3", "e2m1")  # TileKernels' formats; tkjit casts to e4m3
+FORMATS = ("e5m6", "e4m3", "e2m1")  # TileKernels' formats
+BLOCK_FORMATS = ("e4m3", "e2m1")  # those of tkjit's per_block_cast kernels
 BACK_FORMATS = ("bf16", "fp32")  # cast_back's output formats
 GROUPS = (16, 32, 64, 128)  # TileKernels' per-token group sizes, besides num_per_channels == hidden
 PER_CHANNEL_TOKENS = (32, 128)  # tokens per scale of the per-channel casts
@@ -553,8 +557,9 @@ def per_token_cast_with_precomputed_sf(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
-    """per_token_cast's values with the given scales sf: fp8 e4m3 of clamp(x * (1 / sf), -448, 448) per token and
-    group of num_per_channels (32, 64 or 128) channels, as TileKernels' cast-only kernel. sf is in the layout
+    """per_token_cast's values with the given scales sf: fp8 e4m3 of clamp(x * (1 / sf), -448, 448) (fmt 'e2m1':
+    the FP4 codes of x * (1 / sf), two per int8) per token and group of num_per_channels (32, 64 or 128) channels,
+    as TileKernels' cast-only kernel. sf is in the layout
     per_token_cast returns for the same flags: float32 (num_tokens, ceil(hidden / num_per_channels)) row-major,
     its TMA-aligned column-major view, or (use_packed_ue8m0) the packed UE8M0 int32 view. round_sf is unused (the
     scales are given), as in TileKernels. Served by tkjit's per_block_cast_with_sf kernel with blocks of one
@@ -562,8 +567,8 @@ def per_token_cast_with_precomputed_sf(
     fn = "quant.per_token_cast_with_precomputed_sf"
     if fmt == "e5m6":  # TileKernels asserts sf is None for e5m6
         raise ShapeError(f"tile_kernels.{fn}: fmt='e5m6' takes no precomputed sf")
-    if fmt != "e4m3":
-        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts with precomputed scales to 'e4m3' only)")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(FORMATS)}, got {fmt!r}")
     if isinstance(x, tuple):
         if not isinstance(x_block_size, tuple):
             raise ShapeError(f"tile_kernels.{fn}: a (values, scales) x needs x_block_size, got {x_block_size!r}")
@@ -593,7 +598,7 @@ def per_token_cast_with_precomputed_sf(
                               f"ceil(hidden / num_per_channels)), got {tuple(sf.shape)}")
         if sf.stride(-1) != 1:  # the column-major view per_token_cast returns
             sf = sf.contiguous()
-    return ops.per_block_cast_with_sf(rows_aligned(x), sf, (1, group))
+    return ops.per_block_cast_with_sf(rows_aligned(x), sf, (1, group), fmt=fmt)
 
 
 BLOCKS = (32, 128)  # TileKernels' per_block_cast block sizes, each way
@@ -604,8 +609,8 @@ def _per_block_args(fn: str, x, fmt, block_size, use_tma_aligned_col_major_sf, u
     """TileKernels' per_block_cast_impl checks, and tkjit's spec's: (block_m, block_k)."""
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ShapeError(f"tile_kernels.{fn}: fmt must be one of {list(FORMATS)}, got {fmt!r}")
-    if fmt != "e4m3":
-        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit casts to 'e4m3' only)")
+    if fmt not in BLOCK_FORMATS:
+        raise missing(fn, FAMILY, f"fmt={fmt!r} (tkjit's block casts write {' and '.join(map(repr, BLOCK_FORMATS))})")
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise ShapeError(f"tile_kernels.{fn}: block_size must be a (num_per_tokens, num_per_channels) pair, "
                          f"got {block_size!r}")
@@ -622,7 +627,7 @@ def _per_block_args(fn: str, x, fmt, block_size, use_tma_aligned_col_major_sf, u
     if hidden % 64:
         raise ShapeError(f"tile_kernels.{fn}: hidden (x.shape[1]) = {hidden} must be a multiple of 64")
     shape = {"hidden": hidden, "block_m": bm, "block_k": bk, "in_dtype": "bfloat16" if x.dtype == torch.bfloat16
-             else "float32"}
+             else "float32", "fmt": fmt}
     kernel = "per_block_cast_with_sf" if round_sf is None else "per_block_cast"
     if round_sf is not None:
         shape["round_scale"] = bool(round_sf)
@@ -637,7 +642,7 @@ def _per_block_cast(fn: str, x, fmt, block_size, use_tma_aligned_col_major_sf, r
     block = _per_block_args(fn, x, fmt, block_size, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
     return ops.per_block_cast(x, block, round_scale=bool(round_sf),
                               col_major_scales=bool(use_tma_aligned_col_major_sf),
-                              packed_ue8m0=bool(use_packed_ue8m0))
+                              packed_ue8m0=bool(use_packed_ue8m0), fmt=fmt)
 
 
 def per_block_cast(
@@ -648,8 +653,8 @@ def per_block_cast(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> QuantTensor:
-    """Cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3 with one float32 scale per block_size tile:
-    (values, scales), laid out as the module doc says."""
+    """Cast x (num_tokens, hidden) bf16/f32 to FP8 e4m3 (or FP4 e2m1, two per int8) with one float32 scale per
+    block_size tile: (values, scales), laid out as the module doc says."""
     return _per_block_cast("quant.per_block_cast", x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf,
                            use_packed_ue8m0)
 
@@ -664,15 +669,15 @@ def per_block_cast_with_precomputed_sf(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """per_block_cast's values with the given float32 scales sf (ceil(num_tokens / block_m),
-    ceil(hidden / block_k)), row-major: fp8 e4m3 of clamp(x * (1 / sf), -448, 448). round_sf is unused
-    (the scales are given), as in TileKernels."""
+    ceil(hidden / block_k)), row-major: fp8 e4m3 of clamp(x * (1 / sf), -448, 448), or (fmt 'e2m1') the FP4 codes
+    of x * (1 / sf), two per int8. round_sf is unused (the scales are given), as in TileKernels."""
     fn = "quant.per_block_cast_with_precomputed_sf"
     if use_tma_aligned_col_major_sf or use_packed_ue8m0:  # asserts in TileKernels
         raise ShapeError(f"tile_kernels.{fn}: precomputed sf must be row-major float32 "
                          "(use_tma_aligned_col_major_sf and use_packed_ue8m0 must be False)")
     block = _per_block_args(fn, x, fmt, block_size, False, False)
     tensor(fn, "sf", sf, (2,), (torch.float32,))
-    return ops.per_block_cast_with_sf(x, sf, block)
+    return ops.per_block_cast_with_sf(x, sf, block, fmt=fmt)
 
 
 def per_block_cast_with_sf_only(
@@ -683,7 +688,7 @@ def per_block_cast_with_sf_only(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
-    """per_block_cast's scales only (same values and layout). tkjit's kernel writes the FP8 values too;
+    """per_block_cast's scales only (same values and layout). tkjit's kernel writes the values too;
     they are dropped."""
     return _per_block_cast("quant.per_block_cast_with_sf_only", x, fmt, block_size, use_tma_aligned_col_major_sf,
                            round_sf, use_packed_ue8m0)[1]
