@@ -604,7 +604,7 @@ def _block_cast_tk(col_major):
 
         (x,) = inputs
         block = (shape["block_m"], shape["block_k"])
-        return lambda: per_block_cast(x, "e4m3", block, col_major, shape["round_scale"])
+        return lambda: per_block_cast(x, shape["fmt"], block, col_major, shape["round_scale"])
 
     return make
 
@@ -653,7 +653,7 @@ def _block_cast_with_sf_tk(shape, inputs):
     from tile_kernels.quant import per_block_cast_with_precomputed_sf
 
     x, sf = inputs
-    return lambda: per_block_cast_with_precomputed_sf(x, "e4m3", (shape["block_m"], shape["block_k"]), sf)
+    return lambda: per_block_cast_with_precomputed_sf(x, shape["fmt"], (shape["block_m"], shape["block_k"]), sf)
 
 
 TORCH.update({"per_block_cast": _block_cast_torch, "per_block_cast_with_sf": _block_cast_with_sf_torch})
@@ -667,6 +667,8 @@ SHAPES.update({
         {"num_tokens": 32768, "hidden": 7168, "block_m": 128, "block_k": 128},
         {"num_tokens": 7168, "hidden": 2048, "block_m": 128, "block_k": 128, "round_scale": True},
         {"num_tokens": 4096, "hidden": 7168, "block_m": 32, "block_k": 32},
+        {"num_tokens": 32768, "hidden": 7168, "block_m": 128, "block_k": 128, "fmt": "e2m1"},
+        {"num_tokens": 4096, "hidden": 7168, "block_m": 32, "block_k": 32, "fmt": "e2m1", "round_scale": True},
     ],
     "per_block_cast_colmajor": [
         {"num_tokens": 4096, "hidden": 7168, "block_m": 128, "block_k": 128, "round_scale": True},
@@ -675,6 +677,7 @@ SHAPES.update({
     "per_block_cast_with_sf": [
         {"num_tokens": 4096, "hidden": 7168, "block_m": 128, "block_k": 128},
         {"num_tokens": 32768, "hidden": 7168, "block_m": 128, "block_k": 128},
+        {"num_tokens": 32768, "hidden": 7168, "block_m": 128, "block_k": 128, "fmt": "e2m1"},
     ],
 })
 

@@ -218,6 +218,7 @@ X_INPUTS = [  # (input format, its x_block_size, (use_tma_aligned_col_major_sf, 
     ("e4m3", (1, 128), (True, True, True)),
     ("e2m1", (1, 32), (True, False, False)),
     ("e4m3", (128, 128), (False, False, False)),
+    ("e2m1", (128, 128), (False, False, False)),  # per_block_cast's FP4 blocks
 ]
 
 
