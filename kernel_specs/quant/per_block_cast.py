@@ -362,7 +362,7 @@ def reference_colmajor(shape, x):
 
 
 def reference_with_sf(shape, x, sf):
-    """TileKernels' reference with given scales: x * sf.reciprocal(), clamped, cast (e2m1: encoded)."""
+    """TileKernels' reference with given scales: x * sf.reciprocal(), clamped and cast (e2m1: encoded, saturating)."""
     return _cast(shape, x, sf.cpu().float().reciprocal()[:, None, :, None])
 
 
