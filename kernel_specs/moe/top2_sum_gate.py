@@ -418,63 +418,31 @@ def build(shape, c):
 
 def _prim_func(T, run, shape, num_tokens):
     """The PrimFunc of this variant: logits, bias, [mask], [to_physical_map, logical_count], the outputs, then
-    the scalars (TileLang takes a parameter list as written, so one definition per optional combination)."""
+    the scalars. One definition with every param after the first two defaulting to None; the annotations of
+    the tensors this variant does not take are deleted before T.prim_func reads them, so they are no params."""
     E, P = shape["num_experts"], shape["num_topk"] + shape["num_shared_experts"]
     NL, D = E + shape["num_shared_experts"], shape["num_duplicates"]
     f32, i32, i64 = T.float32, T.int32, T.int64  # num_tokens: the builder's T.dynamic, which run() uses
-    if shape["has_mask"] and shape["has_map"]:
 
-        @T.prim_func
-        def top2_sum_gate_mask_map(
-            logits: T.Tensor[(num_tokens, E), f32], bias: T.Tensor[(E,), f32], mask: T.Tensor[(num_tokens,), T.int8],
-            to_physical_map: T.Tensor[(NL, D), i32], logical_count: T.Tensor[(NL,), i32],
-            topk_idx: T.Tensor[(num_tokens, P), i64], topk_weights: T.Tensor[(num_tokens, P), f32],
-            routed_scaling_factor: T.float32, ep_rank: T.int32, per_gpu: T.int32, tp_rank: T.int32,
-            num_tp_ranks: T.int32,
-        ):
-            run(logits, bias, mask, to_physical_map, logical_count, topk_idx, topk_weights, routed_scaling_factor,
-                ep_rank, per_gpu, tp_rank, num_tp_ranks)
-
-        return top2_sum_gate_mask_map
-    if shape["has_mask"]:
-
-        @T.prim_func
-        def top2_sum_gate_mask(
-            logits: T.Tensor[(num_tokens, E), f32], bias: T.Tensor[(E,), f32], mask: T.Tensor[(num_tokens,), T.int8],
-            topk_idx: T.Tensor[(num_tokens, P), i64], topk_weights: T.Tensor[(num_tokens, P), f32],
-            routed_scaling_factor: T.float32, ep_rank: T.int32, per_gpu: T.int32, tp_rank: T.int32,
-            num_tp_ranks: T.int32,
-        ):
-            run(logits, bias, mask, None, None, topk_idx, topk_weights, routed_scaling_factor, ep_rank, per_gpu,
-                tp_rank, num_tp_ranks)
-
-        return top2_sum_gate_mask
-    if shape["has_map"]:
-
-        @T.prim_func
-        def top2_sum_gate_map(
-            logits: T.Tensor[(num_tokens, E), f32], bias: T.Tensor[(E,), f32],
-            to_physical_map: T.Tensor[(NL, D), i32], logical_count: T.Tensor[(NL,), i32],
-            topk_idx: T.Tensor[(num_tokens, P), i64], topk_weights: T.Tensor[(num_tokens, P), f32],
-            routed_scaling_factor: T.float32, ep_rank: T.int32, per_gpu: T.int32, tp_rank: T.int32,
-            num_tp_ranks: T.int32,
-        ):
-            run(logits, bias, None, to_physical_map, logical_count, topk_idx, topk_weights, routed_scaling_factor,
-                ep_rank, per_gpu, tp_rank, num_tp_ranks)
-
-        return top2_sum_gate_map
-
-    @T.prim_func
     def top2_sum_gate(
         logits: T.Tensor[(num_tokens, E), f32], bias: T.Tensor[(E,), f32],
-        topk_idx: T.Tensor[(num_tokens, P), i64], topk_weights: T.Tensor[(num_tokens, P), f32],
-        routed_scaling_factor: T.float32, ep_rank: T.int32, per_gpu: T.int32, tp_rank: T.int32,
-        num_tp_ranks: T.int32,
+        mask: T.Tensor[(num_tokens,), T.int8] = None,
+        to_physical_map: T.Tensor[(NL, D), i32] = None, logical_count: T.Tensor[(NL,), i32] = None,
+        topk_idx: T.Tensor[(num_tokens, P), i64] = None, topk_weights: T.Tensor[(num_tokens, P), f32] = None,
+        routed_scaling_factor: T.float32 = None, ep_rank: T.int32 = None, per_gpu: T.int32 = None,
+        tp_rank: T.int32 = None, num_tp_ranks: T.int32 = None,
     ):
-        run(logits, bias, None, None, None, topk_idx, topk_weights, routed_scaling_factor, ep_rank, per_gpu, tp_rank,
-            num_tp_ranks)
+        run(logits, bias, mask, to_physical_map, logical_count, topk_idx, topk_weights, routed_scaling_factor,
+            ep_rank, per_gpu, tp_rank, num_tp_ranks)
 
-    return top2_sum_gate
+    absent = [n for n, present in (("mask", shape["has_mask"]), ("to_physical_map", shape["has_map"]),
+                                   ("logical_count", shape["has_map"])) if not present]
+    for name in absent:
+        del top2_sum_gate.__annotations__[name]
+    # The function's name as the four hand-written variants had it (it names the kernel in the source).
+    top2_sum_gate.__name__ = "top2_sum_gate" + "".join(f"_{f}" for f, on in (("mask", shape["has_mask"]),
+                                                                               ("map", shape["has_map"])) if on)
+    return T.prim_func(top2_sum_gate)
 
 
 def scalars_for(shape: dict, num_ep_ranks: int, tp_rank: int, num_tp_ranks: int) -> int:
