@@ -1,6 +1,7 @@
 """The kernel ABI beyond plain tensors, on the C target with the test specs of helpers/abi_specs.py:
 run-time scalars (one binary for every value), inout inputs updated in place and returned, zeroed
-outputs, caller-sized outputs, optional inputs (a static flag selects the variant), and empty
+outputs, caller-sized outputs, optional inputs (a static flag selects the variant; an optional inout one
+returned only by the variant taking it), and empty
 batches (no launch, right-shaped outputs) for every kernel that runs on the C target. The same specs
 cross-compile for sm_90a with the ABI recorded; tests/gpu/test_gpu_abi.py runs them on a GPU."""
 
@@ -17,7 +18,7 @@ from tkjit.errors import LaunchError, ShapeError, TensorError
 from tkjit.spec import ScalarArg, TensorArg
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-import abi_specs  # noqa: E402  (registers axpy_inplace and bincount_scaled)
+import abi_specs  # noqa: E402  (registers axpy_inplace, scale_traced and bincount_scaled)
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # one cache: each kernel compiles once
 
@@ -113,6 +114,55 @@ def test_optional_input_selects_a_variant():
         on(x, y, alpha=2.0)
     with pytest.raises(TensorError, match="bias is None but this kernel was built with has_bias=True"):
         on(x, y, None, 2.0)
+
+
+def _traced(has_trace: bool, n: int = 37):
+    return tkjit.get("scale_traced", {"n": n, "has_trace": has_trace}, arch="cpu")
+
+
+def test_optional_inout_is_returned_only_where_present():
+    off, on = _traced(False), _traced(True)
+    x, trace = torch.randn(37), torch.randn(37)
+    t0 = trace.clone()
+    for _ in range(2):  # the full checks, then the plan they left
+        got = off(x, 2.0)
+        assert isinstance(got, torch.Tensor)
+        torch.testing.assert_close(got, 2.0 * x)
+    assert off(x, trace=None, alpha=2.0).shape == (37,)
+    for i in range(2):
+        got = on(x, trace, 2.0)
+        assert isinstance(got, tuple) and len(got) == 2 and got[0] is trace
+        torch.testing.assert_close(got[1], 2.0 * x)
+        torch.testing.assert_close(trace, t0 + 2.0 * x * (i + 1))
+    assert len(on._plans) == 1
+    out = torch.full((37,), float("nan"))
+    for _ in range(2):  # into out=: its own plan
+        got = on(x, trace, 1.0, out=out)
+        assert got[0] is trace and got[1] is out
+    torch.testing.assert_close(out, x)
+    torch.testing.assert_close(trace, t0 + 6.0 * x)
+    got = on(x, trace=trace, alpha=1.0)  # by name
+    assert got[0] is trace
+    with pytest.raises(TensorError, match="trace is None but this kernel was built with has_trace=True"):
+        on(x, None, 2.0)
+    with pytest.raises(TensorError, match="has_trace=False.*has_trace=True"):
+        off(x, trace=trace, alpha=2.0)
+
+
+def test_optional_inout_against_the_reference():
+    from tkjit.testing import check
+
+    for has_trace in (False, True):
+        k = _traced(has_trace)
+        assert check(k, {"n": 37, "has_trace": has_trace}, device="cpu") is None
+
+
+def test_optional_inout_empty_batch():
+    k = _traced(True)
+    k._launch = _no_launch
+    x, trace = torch.empty(0), torch.empty(0)
+    got = k(x, trace, 2.0)
+    assert got[0] is trace and got[1].shape == (0,)
 
 
 # -- misuse ------------------------------------------------------------------------------------------
@@ -228,6 +278,7 @@ def test_empty_batches_of_the_c_target_kernels(name, shape, empty):
     ("axpy_inplace", {"n": 64, "has_bias": True}, [{"name": "alpha", "dtype": "float32"}]),
     ("bincount_scaled", {"n": 64, "num_bins": 8},
      [{"name": "scale", "dtype": "int32"}, {"name": "skip_negative", "dtype": "bool"}]),
+    ("scale_traced", {"n": 64, "has_trace": True}, [{"name": "alpha", "dtype": "float32"}]),
 ])
 def test_sm90a_cross_compile_records_the_scalars(name, shape, scalars):
     k = tkjit.get(name, shape, arch="sm_90a")
@@ -255,6 +306,9 @@ def _variant(**kw):
         ({"scalars": (ScalarArg("x", float),)}, "names must be unique"),
         ({"scalars": (ScalarArg("n", float),)}, "differ from the shape params"),
         ({"inputs": (TensorArg("x", "float32", ("n",)),)}, "there must be an output or an inout input"),
+        ({"inputs": (TensorArg("x", "float32", ("n",)),
+                     TensorArg("y", "float32", ("n",), inout=True, optional="has_bias"))},
+         "an inout input that is not optional"),
         ({"inputs": (TensorArg("y", "float32", ("n",), inout=True),
                      TensorArg("b", "float32", ("n",), optional="n"))}, "optional input b must name a static bool"),
         ({"inputs": (TensorArg("y", "float32", ("n",), inout=True, zeroed=True),)}, "outputs only"),

@@ -113,7 +113,7 @@ class _ArgCheck(NamedTuple):  # a NamedTuple, not a dataclass: it is built at im
     align: int = 16  # bytes: data pointer (and leading strides of a strided arg) a multiple of this
     present: bool = True  # an optional input this variant takes (False: the caller passes None)
     optional: str | None = None  # the static bool param selecting an optional input
-    inout: bool = False  # updated in place and returned
+    inout: bool = False  # updated in place and returned (where present)
     zeroed: bool = False  # an output that starts as zeros
 
 
@@ -190,7 +190,7 @@ class CompiledKernel:
         from_inputs = {r for a in self._in if a.present for r, m in a.dims if r and m == 1}
         self._caller_sized = tuple(sorted({r for a in self._out for r, _ in a.dims if r} - from_inputs))
         self._scalars = self.spec.scalars
-        self._inouts = [i for i, a in enumerate(self._in) if a.inout]
+        self._inouts = [i for i, a in enumerate(self._in) if a.inout and a.present]  # (as the call returns)
         self._simple = not (self._scalars or self._caller_sized or self._inouts
                             or any(a.zeroed for a in self._out) or any(not a.present for a in self._in))
         # A plan checks the scalars, zero-fills the zeroed outputs, takes the present inputs only (as a call
@@ -212,7 +212,8 @@ class CompiledKernel:
         """Run on the input tensors, then the spec's scalars, positionally or by name (an optional input
         this variant does not take is left out, or passed as None by name); a caller-sized output's size
         by name (or read off `out=`).
-        Returns the inout inputs then the outputs (one tensor, or a tuple when there are several).
+        Returns the inout inputs this variant takes, then the outputs (one tensor, or a tuple when there are
+        several).
 
         An empty batch (a runtime size of 0) launches nothing: outputs come back with their shapes,
         zeroed ones zero-filled."""

@@ -189,7 +189,9 @@ class TensorArg(NamedTuple):
     dims: tuple[Dim, ...]
     strided: bool = False
     align: int | Callable[[Shape, Config], int] = 16
-    inout: bool = False  # an input the kernel updates in place; the call returns that same tensor
+    # An input the kernel updates in place; the call returns that same tensor (an optional one only in the
+    # variant that takes it).
+    inout: bool = False
     zeroed: bool = False  # an output that starts as zeros (allocated so, or `out=` zero-filled): atomics
     optional: str | None = None  # an input that may be None: names the static bool param selecting it
 
@@ -570,11 +572,12 @@ def validate(spec: KernelSpec) -> None:
         if k not in spec.space or v not in spec.space[k]:
             raise SpecError(f"{spec.name}: exact override {k}={v!r} is not a candidate of the space")
     arg_names = [t.name for t in (*spec.inputs, *spec.outputs)] + [s.name for s in spec.scalars]
-    returned = spec.outputs or [t for t in spec.inputs if t.inout]
+    # Every variant returns something: an optional inout input is returned only by the variants taking it.
+    returned = spec.outputs or [t for t in spec.inputs if t.inout and t.optional is None]
     if len(set(arg_names)) != len(arg_names) or not returned or set(arg_names) & set(names):
         raise SpecError(
             f"{spec.name}: tensor and scalar names must be unique and differ from the shape params, and there must "
-            f"be an output or an inout input: {arg_names}"
+            f"be an output or an inout input that is not optional: {arg_names}"
         )
     for s in spec.scalars:
         if not _NAME_RE.fullmatch(s.name) or s.type not in _SCALAR_DTYPES or s.c_dtype not in _SCALAR_DTYPES[s.type]:
@@ -592,8 +595,6 @@ def validate(spec: KernelSpec) -> None:
             if p is None or not p.static or p.type is not bool:
                 raise SpecError(f"{spec.name}: optional input {t.name} must name a static bool param, got "
                                 f"{t.optional!r}")
-            if t.inout:
-                raise SpecError(f"{spec.name}: input {t.name} cannot be both optional and inout")
     for t in (*spec.inputs, *spec.outputs):
         for d in t.dims:
             ref = d.name if isinstance(d, (Align, CeilDiv)) else d

@@ -12,7 +12,7 @@ import tkjit
 from tkjit.errors import ShapeError, TensorError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
-import abi_specs  # noqa: E402  (registers axpy_inplace and bincount_scaled)
+import abi_specs  # noqa: E402  (registers axpy_inplace, scale_traced and bincount_scaled)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 
@@ -43,6 +43,18 @@ def test_scalars_inout_and_optional_on_cuda():
         off(x, y)
     with pytest.raises(TensorError, match="has_bias=False"):
         off(x, y, bias=b, alpha=1.0)
+
+
+def test_optional_inout_on_cuda():
+    off = tkjit.get("scale_traced", {"n": 1000, "has_trace": False})
+    on = tkjit.get("scale_traced", {"n": 1000, "has_trace": True})
+    x, trace = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    want = trace + 2.0 * x
+    torch.testing.assert_close(off(x, 2.0), 2.0 * x)
+    got = on(x, trace, 2.0)
+    assert got[0] is trace
+    torch.testing.assert_close(got[1], 2.0 * x)
+    torch.testing.assert_close(trace, want)
 
 
 def test_zeroed_caller_sized_output_on_cuda():

@@ -2,6 +2,8 @@
 
 `axpy_inplace`: y += alpha * x (+ bias), with a run-time float scalar `alpha`, an optional `bias`
 (the static flag `has_bias` selects the variant that takes it) and `y` updated in place.
+`scale_traced`: out = alpha * x, and with the static flag `has_trace` an optional in-place input `trace`
+(trace += out), which the call returns before `out` only in the variant taking it.
 `bincount_scaled`: counts[idx[i]] += weight * scale for i < n, into a zeroed output whose length
 `num_bins` no input gives (the caller passes it, or an `out=` tensor), with an int scalar `scale`
 and a bool scalar `skip_negative` (negative indices dropped, else counted into bin 0).
@@ -65,6 +67,66 @@ AXPY = register(
         reference=lambda shape, x, y, bias, alpha: y + alpha * x + (0 if bias is None else bias),
         bytes_moved=lambda s: 12 * s["n"],
         examples=({"n": 64},),
+    ),
+    replace=True,
+)
+
+
+def build_scale_traced(shape, c):
+    from tilelang import language as T
+
+    n = T.dynamic("n")
+    has_trace = shape["has_trace"]
+
+    def scale_traced(x: T.Tensor[(n,), T.float32], trace: T.Tensor[(n,), T.float32] = None,
+                     out: T.Tensor[(n,), T.float32] = None, alpha: T.float32 = None):
+        with T.Kernel(1, threads=1) as _:
+            for i in T.serial(n):
+                out[i] = alpha * x[i]
+                if has_trace:
+                    trace[i] = trace[i] + alpha * x[i]
+
+    if not has_trace:
+        del scale_traced.__annotations__["trace"]
+    return T.prim_func(scale_traced)
+
+
+def _scale_traced_inputs(shape, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = shape["n"]
+    x = torch.randn(n, generator=g).to(device)
+    trace = (torch.randn(n, generator=g).to(device),) if shape["has_trace"] else ()
+    return (x, *trace, 1.5)
+
+
+def _scale_traced_reference(shape, x, *rest):
+    """(trace after the call, out) in the variant taking trace, else out alone."""
+    if shape["has_trace"]:
+        trace, alpha = rest
+        return trace + alpha * x, alpha * x
+    (alpha,) = rest
+    return alpha * x
+
+
+SCALE_TRACED = register(
+    KernelSpec(
+        name="scale_traced",
+        family="planted",
+        doc="out = alpha * x, and trace += out into an optional in-place input (tests only)",
+        params=(Runtime("n", hi=1 << 20), Static("has_trace", bool, default=False)),
+        space={"unused": (0,)},
+        default=lambda s: {"unused": 0},
+        build=build_scale_traced,
+        inputs=(
+            TensorArg("x", "float32", ("n",)),
+            TensorArg("trace", "float32", ("n",), inout=True, optional="has_trace"),
+        ),
+        outputs=(TensorArg("out", "float32", ("n",)),),
+        scalars=(ScalarArg("alpha", float),),
+        make_inputs=_scale_traced_inputs,
+        reference=_scale_traced_reference,
+        bytes_moved=lambda s: 16 * s["n"],
+        examples=({"n": 64}, {"n": 64, "has_trace": True}),
     ),
     replace=True,
 )
