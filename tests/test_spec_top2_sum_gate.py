@@ -28,10 +28,11 @@ def shared_cache(tmp_path_factory):
     tkjit.reset()
 
 
-def _shape(e=256, k=8, g=8, kg=4, n=64, s=0, f="sigmoid", has_map=False, d=1, has_mask=False):
+def _shape(e=256, k=8, g=8, kg=4, n=64, s=0, f="sigmoid", has_map=False, d=1, has_mask=False, has_fix=False,
+           has_unmapped=False):
     return {"num_tokens": n, "num_experts": e, "num_topk": k, "num_groups": g, "num_topk_groups": kg,
             "num_shared_experts": s, "scoring_func": f, "has_map": has_map, "num_duplicates": d,
-            "has_mask": has_mask}
+            "has_mask": has_mask, "has_fix": has_fix, "has_unmapped": has_unmapped}
 
 
 def test_spec_validates():
@@ -52,7 +53,8 @@ def test_bad_shapes_and_configs():
                     ({"kg": 9}, "num_topk_groups=9 must be <= num_groups=8"),
                     ({"e": 100, "g": 8}, "divisible by num_groups=8"), ({"e": 32, "g": 32, "kg": 4}, ">= 2 experts"),
                     ({"e": 64, "g": 8, "kg": 1, "k": 9}, "num_topk=9 must be <= num_topk_groups"),
-                    ({"f": "identity"}, "scoring_func")]:
+                    ({"f": "identity"}, "scoring_func"),
+                    ({"has_fix": True}, r"has_fix \(fix_routing_mask\) needs has_unmapped \(unmapped_topk_idx\)")]:
         with pytest.raises(ShapeError, match=msg):
             spec.canonical_shape(_shape(**kw))
     full = spec.canonical_shape(_shape())
@@ -128,9 +130,10 @@ def test_reference_with_the_map_against_an_independent_model():
 
 def _tk_reference(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
                   routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
-                  to_physical_map=None, logical_count=None):
-    """TileKernels' torch reference `tile_kernels.torch.top2_sum_gate` (no fix_routing_mask), step by step;
-    rows are independent, so routing every token and then clearing the masked rows is the same."""
+                  fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None):
+    """TileKernels' torch reference `tile_kernels.torch.top2_sum_gate`, step by step, unmapped_topk_idx updated
+    in place as there; rows are independent, so routing every token and then clearing the masked rows is the
+    same."""
     n, e = logits.shape
     s = num_shared_experts if use_shared_as_routed else 0
     if scoring_func == "sigmoid":
@@ -147,9 +150,13 @@ def _tk_reference(logits, bias, num_topk, num_topk_groups, num_groups, use_share
         gmask = torch.ones(n, num_groups, dtype=torch.bool).scatter_(1, top, False)
         biased = biased.masked_fill(gmask.unsqueeze(-1).expand(-1, num_groups, per).reshape(n, e), float("-inf"))
     sel = torch.sort(biased, dim=1, descending=True, stable=True).indices[:, :num_topk]
-    sc = scores.gather(1, sel)
+    if fix_routing_mask is not None:  # fixed rows: the stored indices, their scores at index.clamp(min=0)
+        sel = torch.where(fix_routing_mask.unsqueeze(1), unmapped_topk_idx, sel)
+    if unmapped_topk_idx is not None:
+        unmapped_topk_idx.copy_(sel if mask is None else torch.where(mask.unsqueeze(1), sel, -1))
+    sc = scores.gather(1, sel.clamp(min=0))
     w = sc / sc.sum(dim=-1, keepdim=True).clamp(min=1e-20) * routed_scaling_factor
-    idx = sel
+    idx = sel.clone()
     if s:
         idx = torch.cat([idx, torch.arange(e, e + s).expand(n, -1)], dim=1)
         w = torch.cat([w, torch.ones(n, s)], dim=1)
@@ -194,7 +201,8 @@ def test_reference_matches_tile_kernels_semantics(f, e, k, g, kg, s, d):
     num_ep, tp, tps = 8, 1, 2
     per_gpu = (e + d - 1) // num_ep
     idx, w = spec.reference(shape, logits, bias, *maps, 2.5, 3, per_gpu, tp, tps)
-    want_idx, want_w = _tk_reference(logits, bias, k, kg, g, s > 0, s, 2.5, 3, num_ep, tp, tps, f, None, *maps)
+    want_idx, want_w = _tk_reference(logits, bias, k, kg, g, s > 0, s, 2.5, 3, num_ep, tp, tps, f,
+                                     **(dict(to_physical_map=maps[0], logical_count=maps[1]) if maps else {}))
     assert torch.equal(idx, want_idx)
     torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
 
@@ -231,15 +239,34 @@ def test_make_inputs_have_ties_on_odd_seeds():
     assert (torch.signbit(b) & (b == 0)).any()
 
 
+def _named(spec, full, inputs) -> tuple[dict, tuple]:
+    """make_inputs' tensors by name (the present inputs), and the scalars after them."""
+    names = [a.name for a in spec.inputs if a.present(full)]
+    return dict(zip(names, inputs)), tuple(inputs[len(names):])
+
+
 def _assert_exact(kern, shape, seed):
     """On the C target the reference's float ops are the kernel's: bit-exact (the spec's tolerance allows ulps
-    for torch's CUDA exp on the GPU)."""
+    for torch's CUDA exp on the GPU). With has_unmapped, unmapped_topk_idx too, written through its view.
+    With has_fix, weights to 1e-6: a fixed row's experts may score low, where torch's CPU exp and the C
+    library's expf can differ in the last bit (the selected experts' scores have agreed so far)."""
     spec = kern.spec
     full = spec.canonical_shape(shape)
     inputs = spec.make_inputs(full, device="cpu", seed=seed)
-    outs, _ = run_against_reference(kern, full, inputs, device="cpu")
-    for got, want in zip(outs, reference_outputs(spec, full, inputs)):
-        assert torch.equal(got, want), (shape, seed)
+    refs = reference_outputs(spec, full, inputs)
+    (idx, w), _ = run_against_reference(kern, full, inputs, device="cpu")  # (poisoned outputs: all written)
+    assert torch.equal(idx, refs[-2]), (shape, seed)
+    if full["has_fix"]:
+        torch.testing.assert_close(w, refs[-1], rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(w, refs[-1]), (shape, seed)
+    if full["has_unmapped"]:
+        view = _named(spec, full, inputs)[0]["unmapped_topk_idx"]
+        wide = view._base.clone()
+        got = kern(*inputs)
+        assert got[0] is view and torch.equal(view, refs[0]), (shape, seed)
+        k = full["num_topk"]
+        assert torch.equal(view._base[:, [0, k + 1, k + 2]], wide[:, [0, k + 1, k + 2]])  # (around the view)
 
 
 # -- C target --------------------------------------------------------------------------------------
@@ -275,6 +302,177 @@ def test_compiles_for_sm90a():
     src = (kern.path / "kernel.cu").read_text()
     assert "__ballot_sync" in src and "__reduce_max_sync" in src and "float4" in src
     assert "__expf" not in src and "__syncthreads" not in src
+
+
+# -- fix_routing_mask / unmapped_topk_idx ---------------------------------------------------------
+
+FIXED = {"has_fix": True, "has_unmapped": True}
+
+
+@pytest.mark.parametrize("f", ["sigmoid", "softmax", "sqrtsoftplus"])
+@pytest.mark.parametrize("e,k,g,kg,s,d", [(256, 8, 8, 4, 0, 1), (72, 6, 0, 0, 0, 1), (256, 8, 8, 4, 1, 9)])
+def test_reference_with_fixed_routing_matches_tile_kernels_semantics(f, e, k, g, kg, s, d):
+    """Fixed rows (their indices from unmapped_topk_idx), masked rows (-1 there too), the replica map; seed 0:
+    every given index a valid expert, as TileKernels asserts."""
+    spec = get_spec(NAME)
+    full = spec.canonical_shape(_shape(e, k, g, kg, n=200, s=s, f=f, has_map=s > 0, d=d, has_mask=True, **FIXED))
+    inputs = spec.make_inputs(full, "cpu", 0)
+    named, (rsf, ep, per_gpu, tp, tps) = _named(spec, full, inputs)
+    mask, fix = named["mask"].bool(), named["fix_routing_mask"].bool()
+    assert (mask & fix).sum() > 20 and (mask & ~fix).sum() > 20 and (~mask).sum() > 20
+    logical, idx, w = spec.reference(full, *inputs)
+    unmapped = named["unmapped_topk_idx"].clone()
+    maps = {"to_physical_map": named["to_physical_map"], "logical_count": named["logical_count"]} if s else {}
+    want_idx, want_w = _tk_reference(named["logits"], named["bias"], k, kg, g, s > 0, s, rsf, ep, 8, tp, tps, f,
+                                     mask, fix, unmapped_topk_idx=unmapped, **maps)
+    assert per_gpu == (e + d - 1) // 8
+    assert torch.equal(logical, unmapped) and torch.equal(idx, want_idx)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
+    assert torch.equal(logical[mask & fix], named["unmapped_topk_idx"][mask & fix])
+
+
+@pytest.mark.parametrize("kw", [dict(has_unmapped=True), dict(has_mask=True, **FIXED),
+                                dict(e=72, k=6, g=0, kg=0, **FIXED),
+                                dict(e=64, k=4, g=4, kg=2, s=2, has_map=True, d=3, has_mask=True, **FIXED)])
+def test_c_target_runs_fixed_routing_exact(kw):
+    """Odd seeds also give fixed indices outside [0, num_experts): in bounds, as the reference says."""
+    kern = tkjit.get(NAME, _shape(n=100, **kw), arch="cpu")
+    assert kern.config["layout"] == "thread"
+    for n in (1, 7, 301):
+        for seed in (0, 1):
+            _assert_exact(kern, _shape(n=n, **kw), seed)
+
+
+def _logits(n: int, e: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, e, generator=g) * 2, torch.randn(e, generator=g) * 0.1
+
+
+def _distinct(n: int, e: int, k: int, seed: int = 1) -> torch.Tensor:
+    """n rows of k distinct experts in random order (int64)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, e, generator=g).argsort(dim=1)[:, :k]
+
+
+def test_fixed_rows_keep_their_indices_and_the_other_rows_do_not_change():
+    """One GPU, one TP rank (the remap is the identity): a fixed row's indices are the given ones in their
+    order, its weights their scores normalised; the other rows are routed as without fix_routing_mask, and
+    unmapped_topk_idx gets what they selected."""
+    n, e, k, rsf = 50, 64, 4, 2.5
+    plain = tkjit.get(NAME, _shape(e, k, 4, 2, n=n), arch="cpu")
+    fixed = tkjit.get(NAME, _shape(e, k, 4, 2, n=n, **FIXED), arch="cpu")
+    logits, bias = _logits(n, e)
+    idx0, w0 = plain(logits, bias, rsf, 0, e, 0, 1)
+    fix = (torch.arange(n) % 3 == 0).to(torch.int8)
+    rows = fix.bool()
+    given = _distinct(n, e, k)
+    given[rows] = torch.where(given[rows] == idx0[rows], (given[rows] + 1) % e, given[rows])  # not the selection
+    unmapped = given.clone()
+    got, idx, w = fixed(logits, bias, fix, unmapped, rsf, 0, e, 0, 1)
+    assert got is unmapped
+    assert torch.equal(idx[rows], given[rows]) and torch.equal(unmapped[rows], given[rows])
+    assert torch.equal(idx[~rows], idx0[~rows]) and torch.equal(w[~rows], w0[~rows])
+    assert torch.equal(unmapped[~rows], idx0[~rows])
+    sc = torch.sigmoid(logits).gather(1, given)[rows]
+    torch.testing.assert_close(w[rows], sc / sc.sum(1, keepdim=True) * rsf, rtol=1e-6, atol=0)
+    # The given order is kept: reversed indices, reversed weights (the sum in the other order: to an ulp).
+    rev = given.flip(1)
+    _, idx2, w2 = fixed(logits, bias, fix, rev.clone(), rsf, 0, e, 0, 1)
+    assert torch.equal(idx2[rows], rev[rows])
+    torch.testing.assert_close(w2[rows], w[rows].flip(1), rtol=1e-6, atol=0)
+    # Every row fixed to what it would select: the routing without fix_routing_mask, exactly.
+    _, idx3, w3 = fixed(logits, bias, torch.ones(n, dtype=torch.int8), idx0.clone(), rsf, 0, e, 0, 1)
+    assert torch.equal(idx3, idx0) and torch.equal(w3, w0)
+
+
+def test_fixed_routing_with_the_map_and_ep_tp_ranks():
+    """Fixed rows go through the shared-expert slots, the replica map and the EP/TP remap like selected ones;
+    unmapped_topk_idx keeps the logical indices."""
+    n, e, k, s, d = 40, 64, 4, 2, 3
+    kern = tkjit.get(NAME, _shape(e, k, 4, 2, n=n, s=s, has_map=True, d=d, **FIXED), arch="cpu")
+    logits, bias = _logits(n, e)
+    g = torch.Generator().manual_seed(3)
+    pmap = torch.randint(0, e + d - 1, (e + s, d), generator=g, dtype=torch.int32)
+    cnt = torch.randint(1, d + 1, (e + s,), generator=g, dtype=torch.int32)
+    fix = (torch.arange(n) % 2 == 0).to(torch.int8)
+    given = _distinct(n, e, k)
+    ep, num_ep, tp, tps = 3, 4, 1, 2
+    per_gpu = (e + d - 1) // num_ep
+    unmapped = given.clone()
+    _, idx, w = kern(logits, bias, pmap, cnt, fix, unmapped, 1.5, ep, per_gpu, tp, tps)
+    for t in range(0, n, 2):
+        assert unmapped[t].tolist() == given[t].tolist()
+        for r, i in enumerate(given[t].tolist() + [e, e + 1]):
+            phys = int(pmap[i, (ep + t * 23333) % int(cnt[i])])
+            gpu = phys // per_gpu
+            want = (gpu // tps) * per_gpu + phys % per_gpu if gpu % tps == tp else -1
+            assert int(idx[t, r]) == want, (t, r)
+        assert w[t, k:].tolist() == [1.0, 1.0]
+    full = kern.spec.canonical_shape(_shape(e, k, 4, 2, n=n, s=s, has_map=True, d=d, **FIXED))
+    ref = kern.spec.reference(full, logits, bias, pmap, cnt, fix, given, 1.5, ep, per_gpu, tp, tps)
+    assert torch.equal(ref[0], unmapped) and torch.equal(ref[1], idx)
+    torch.testing.assert_close(ref[2], w, rtol=1e-6, atol=0)  # (see _assert_exact)
+
+
+def test_unmapped_through_a_strided_view_and_masked_rows():
+    """unmapped_topk_idx as a view of a wider buffer: its rows written, the columns around them not; a masked
+    token's row is -1; a routed token's row is what the plain routing selects (before the replica map)."""
+    n, e, k, s, d = 33, 64, 4, 1, 2
+    kern = tkjit.get(NAME, _shape(e, k, 4, 2, n=n, s=s, has_map=True, d=d, has_mask=True, has_unmapped=True),
+                     arch="cpu")
+    plain = tkjit.get(NAME, _shape(e, k, 4, 2, n=n), arch="cpu")
+    logits, bias = _logits(n, e)
+    mask = (torch.arange(n) % 4 != 1).to(torch.int8)
+    pmap = (torch.arange((e + s) * d, dtype=torch.int32).view(e + s, d) * 7) % (e + d - 1)
+    cnt = torch.full((e + s,), d, dtype=torch.int32)
+    wide = torch.full((n, k + 5), 99, dtype=torch.int64)
+    view = wide[:, 2:2 + k]
+    got, idx, _ = kern(logits, bias, mask, pmap, cnt, view, 1.0, 0, e + d - 1, 0, 1)
+    assert got is view and view.stride() == (k + 5, 1)
+    assert (wide[:, :2] == 99).all() and (wide[:, 2 + k:] == 99).all()
+    rows = mask.bool()
+    assert (view[~rows] == -1).all() and (idx[~rows] == -1).all()
+    assert torch.equal(view[rows], plain(logits, bias, 1.0, 0, e, 0, 1)[0][rows])
+    assert not torch.equal(view[rows], idx[rows, :k])  # (the map moved some: topk_idx is not the logical index)
+    with pytest.raises(TensorError, match="unmapped_topk_idx must have a contiguous last axis"):
+        kern(logits, bias, mask, pmap, cnt, torch.zeros(n, 2 * k, dtype=torch.int64)[:, ::2], 1.0, 0, 65, 0, 1)
+
+
+def test_fixed_indices_outside_the_experts_stay_in_bounds():
+    """Unsupported (TileKernels asserts >= 0), yet nothing goes out of bounds: a negative index and one past the
+    map's rows give -1, the score is read at the clamped index, the index is kept in unmapped_topk_idx."""
+    n, e, k, s, d = 4, 32, 4, 1, 2
+    shape = _shape(e, k, 0, 0, n=n, s=s, has_map=True, d=d, **FIXED)
+    kern = tkjit.get(NAME, shape, arch="cpu")
+    logits, bias = _logits(n, e)
+    pmap = torch.arange((e + s) * d, dtype=torch.int32).view(e + s, d) % (e + d - 1)
+    cnt = torch.ones(e + s, dtype=torch.int32)
+    given = torch.tensor([[-1, 0, 1, 2], [e + s, 2**40, -(2**40), 3], [e, 4, 5, 6], [7, 8, 9, 10]])
+    fix = torch.tensor([1, 1, 1, 0], dtype=torch.int8)
+    unmapped = given.clone()
+    _, idx, w = kern(logits, bias, pmap, cnt, fix, unmapped, 1.0, 0, e + d - 1, 0, 1)
+    assert torch.equal(unmapped[:3], given[:3])
+    assert idx[0, 0] == -1 and (idx[1, :3] == -1).all() and idx[2, 0] == pmap[e, 0]  # e: the shared expert's row
+    assert torch.isfinite(w).all()
+    sc = torch.sigmoid(logits[0])
+    torch.testing.assert_close(w[0, 0], sc[0] / sc[[0, 0, 1, 2]].sum(), rtol=1e-6, atol=0)  # -1 read as 0
+    full = kern.spec.canonical_shape(shape)
+    ref = kern.spec.reference(full, logits, bias, pmap, cnt, fix, given, 1.0, 0, e + d - 1, 0, 1)
+    assert torch.equal(ref[0], unmapped) and torch.equal(ref[1], idx)
+    torch.testing.assert_close(ref[2], w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [{"layout": "warp", "threads": 128, "tokens_per_warp": 1, "reduce": "redux"},
+                                    {"layout": "warp", "threads": 64, "tokens_per_warp": 2, "reduce": "shfl"}])
+def test_compiles_for_sm90a_with_fixed_routing(config):
+    kern = tkjit.get(NAME, _shape(n=4096, s=1, has_map=True, d=9, has_mask=True, **FIXED), arch="sm_90a",
+                     config=config)
+    src = (kern.path / "kernel.cu").read_text()
+    assert "fix_routing_mask" in src and "unmapped_topk_idx_stride0" in src and "__expf" not in src
+    kern = tkjit.get(NAME, _shape(n=4096, e=72, k=6, g=0, kg=0, f="softmax", has_unmapped=True), arch="sm_90a",
+                     config=config)
+    assert "unmapped_topk_idx_stride0" in (kern.path / "kernel.cu").read_text()
 
 
 # -- torch op and compat ---------------------------------------------------------------------------
@@ -315,7 +513,8 @@ def test_ops_compile_and_compat_match_the_reference():
     mask = torch.arange(37) % 3 != 1
     got = tk_moe.top2_sum_gate(x, b, 8, 2, 8, True, 1, 2.5, 3, 2, 0, 1, "sigmoid", mask=mask, to_physical_map=pmap,
                                logical_count=cnt)
-    want = _tk_reference(x, b, 8, 2, 8, True, 1, 2.5, 3, 2, 0, 1, "sigmoid", mask, pmap, cnt)
+    want = _tk_reference(x, b, 8, 2, 8, True, 1, 2.5, 3, 2, 0, 1, "sigmoid", mask, to_physical_map=pmap,
+                         logical_count=cnt)
     assert (got[0][1] == -1).all() and (got[1][1] == 0).all()
     assert got[0].shape == (37, 9) and torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)

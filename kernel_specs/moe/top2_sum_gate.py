@@ -12,8 +12,13 @@ num_topk + num_shared_experts) int64 and topk_weights (same shape) float32. Per 
    num_topk_groups best groups are kept (equal sums: the smaller group), the other experts are out.
 4. The num_topk best keys among the kept experts, best first, equal keys to the smaller expert index
    (a stable descending sort, TileKernels' `stable_topk`); -0.0 and +0.0 compare equal.
+   with has_fix: a token whose fix_routing_mask is non-zero skips 3-4 and takes the indices in its
+   unmapped_topk_idx row, in that order (TileKernels' fixed routing).
 5. weights = score / (1e-20 + s_0 + ... + s_{k-1}) * routed_scaling_factor (the sum added in order,
-   as TileKernels' kernel); then num_shared_experts slots: expert num_experts + j, weight 1.0.
+   as TileKernels' kernel; s_r: the unbiased score at the r-th index, clamped into [0, num_experts) for a
+   fixed index); then num_shared_experts slots: expert num_experts + j, weight 1.0.
+   with has_unmapped: unmapped_topk_idx[token, r] (r < num_topk) is set to the r-th index of this step (the
+   logical expert, before 6 and 7), or -1 for a token its mask leaves out (8), in place; any row stride.
 6. with has_map: every index i becomes to_physical_map[i, (ep_rank + token * 23333) % logical_count[i]]
    (int64 arithmetic); a count outside [1, num_duplicates] gives -1 (never an access out of bounds).
 7. EP/TP remap with per_gpu = (num_experts + num_duplicates - 1) // num_ep_ranks experts per GPU (the
@@ -25,8 +30,11 @@ num_topk + num_shared_experts) int64 and topk_weights (same shape) float32. Per 
 num_experts % 4 == 0 and <= 1024 (TileKernels asserts the first), num_topk <= 32 (a lane per result),
 num_topk + num_shared_experts <= 32; with groups: num_groups <= 32, num_experts % num_groups == 0, at
 least 2 experts per group and num_topk <= num_topk_groups * experts per group. Non-finite logits are
-not supported (TileKernels asserts on them): outputs are then unspecified but always in bounds.
-TileKernels' fix_routing_mask / unmapped_topk_idx are not in this spec (the compat layer says so).
+not supported (TileKernels asserts on them): outputs are then unspecified but always in bounds. Neither
+are fixed indices outside [0, num_experts) (TileKernels asserts >= 0): such an index is kept as it is (a
+negative one, or one outside the map's rows, becomes -1 in topk_idx), its score read at the clamped index;
+nothing is read or written out of bounds. fix_routing_mask is TileKernels' bool mask as int8, like the mask;
+has_fix needs has_unmapped.
 
 Layouts (`layout`):
   warp    a warp per token (TileKernels' layout): lane l holds experts i * 128 + 4 l + j (16-byte loads
@@ -34,15 +42,16 @@ Layouts (`layout`):
           group sums (lane g < num_groups takes group g, ranks by shuffles, a ballot gives the kept groups)
           and the weights; num_topk rounds of lane argmax + warp reduction on order-preserving uint32
           keys (`reduce`: shuffle butterflies or `redux.sync`). `tokens_per_warp` tokens in turn per warp.
+          A fixed token (has_fix) skips the groups and the rounds (a warp-uniform branch).
   thread  one thread per token, all in registers (float compares, no shuffles): TileLang's C target
-          lowers it, so CPU hosts run it.
+          lowers it, so CPU hosts run it. A fixed token's selection is computed and left unused.
 Tunable: layout, threads, tokens_per_warp, reduce.
 """
 
 import torch
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, Runtime, ScalarArg, Static, TensorArg, Tolerance
+from tkjit.spec import KernelSpec, Runtime, ScalarArg, Static, TensorArg, Tolerance, stride_name
 
 SCORING = ("sigmoid", "sqrtsoftplus", "softmax")
 MAX_EXPERTS = 1024
@@ -72,6 +81,9 @@ def check_shape(shape):
         return "num_groups and num_topk_groups must be both zero or both non-zero"
     if kg > g:
         return f"num_topk_groups={kg} must be <= num_groups={g}"
+    if shape["has_fix"] and not shape["has_unmapped"]:
+        return ("has_fix (fix_routing_mask) needs has_unmapped (unmapped_topk_idx): the fixed tokens' indices are "
+                "read from it")
     if g != kg:
         if e % g:
             return f"num_experts={e} must be divisible by num_groups={g}"
@@ -110,7 +122,7 @@ def build(shape, c):
 
     E, K, G, KG = shape["num_experts"], shape["num_topk"], shape["num_groups"], shape["num_topk_groups"]
     S, scoring, has_map = shape["num_shared_experts"], shape["scoring_func"], shape["has_map"]
-    has_mask = shape["has_mask"]
+    has_mask, has_fix, has_unmapped = shape["has_mask"], shape["has_fix"], shape["has_unmapped"]
     grouped = _grouped(shape)
     EPG = E // G if grouped else E
     P = K + S
@@ -152,8 +164,8 @@ def build(shape, c):
         NSLOT = -(-E // 128) * 32 * 4  # the warp layout's padded expert range, for the softmax sum order
 
         @T.macro
-        def body(tok, logits, bias, mask, to_physical_map, logical_count, topk_idx, topk_weights,
-                 routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks):
+        def body(tok, logits, bias, mask, to_physical_map, logical_count, fix_routing_mask, unmapped_topk_idx,
+                 topk_idx, topk_weights, routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks):
             act = T.alloc_local((1,), i32)  # 0: a masked token (-1 / 0.0 out)
             sc = T.alloc_local((E,), f32)
             key = T.alloc_local((E,), f32)
@@ -168,6 +180,8 @@ def build(shape, c):
             rank = T.alloc_local((1,), i32)
             tot = T.alloc_local((1,), f32)
             idx = T.alloc_local((1,), i64)
+            if has_fix:
+                chosen = T.alloc_local((K,), i64)  # the logical indices: the selection's or the caller's
             for e in T.serial(E):
                 sc[e] = score_of(logits[tok, e])
                 out_ok[e] = 1
@@ -222,6 +236,15 @@ def build(shape, c):
                         best[0] = key[e]
                 res[r] = T.max(bi[0], 0)
                 out_ok[T.max(bi[0], 0)] = 0
+            if has_fix:
+                for r in T.serial(K):
+                    chosen[r] = T.cast(res[r], i64)
+                if fix_routing_mask[tok] != T.int8(0):
+                    # A fixed token keeps the caller's indices, in their order (its selection above is unused);
+                    # its scores are read at the index clamped into [0, E): any index stays in bounds.
+                    for r in T.serial(K):
+                        chosen[r] = unmapped_topk_idx[tok, r]
+                        res[r] = T.cast(T.min(T.max(chosen[r], T.int64(0)), T.int64(E - 1)), i32)
             tot[0] = T.float32(1e-20)
             for r in T.serial(K):
                 tot[0] = tot[0] + sc[res[r]]
@@ -230,9 +253,14 @@ def build(shape, c):
                 if has_mask:
                     act[0] = T.if_then_else(mask[tok] != T.int8(0), 1, 0)
                 if r < K:
-                    idx[0] = T.cast(res[r], i64)
+                    if has_fix:
+                        idx[0] = chosen[r]
+                    else:
+                        idx[0] = T.cast(res[r], i64)
                     topk_weights[tok, r] = T.if_then_else(act[0] == 1, sc[res[r]] / tot[0] * routed_scaling_factor,
                                                           T.float32(0.0))
+                    if has_unmapped:  # the logical index, before the replica map and the EP/TP remap
+                        unmapped_topk_idx[tok, r] = T.if_then_else(act[0] == 1, idx[0], T.int64(-1))
                 else:
                     idx[0] = T.cast(E + r - K, i64)
                     topk_weights[tok, r] = T.if_then_else(act[0] == 1, T.float32(1.0), T.float32(0.0))
@@ -240,13 +268,14 @@ def build(shape, c):
                 topk_idx[tok, r] = T.if_then_else(act[0] == 1, idx[0], T.int64(-1))
 
         @T.macro
-        def run(logits, bias, mask, to_physical_map, logical_count, topk_idx, topk_weights, routed_scaling_factor,
-                ep_rank, per_gpu, tp_rank, num_tp_ranks):
+        def run(logits, bias, mask, to_physical_map, logical_count, fix_routing_mask, unmapped_topk_idx, topk_idx,
+                topk_weights, routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks):
             with T.Kernel(T.ceildiv(num_tokens, threads), threads=threads) as bx:
                 for t in T.Parallel(threads):
                     if bx * threads + t < num_tokens:
-                        body(bx * threads + t, logits, bias, mask, to_physical_map, logical_count, topk_idx,
-                             topk_weights, routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks)
+                        body(bx * threads + t, logits, bias, mask, to_physical_map, logical_count, fix_routing_mask,
+                             unmapped_topk_idx, topk_idx, topk_weights, routed_scaling_factor, ep_rank, per_gpu,
+                             tp_rank, num_tp_ranks)
 
         return _prim_func(T, run, shape, num_tokens)
 
@@ -281,8 +310,8 @@ def build(shape, c):
                 gi[0] = T.if_then_else(take, oi, gi[0])
 
     @T.macro
-    def run(logits, bias, mask, to_physical_map, logical_count, topk_idx, topk_weights, routed_scaling_factor,
-            ep_rank, per_gpu, tp_rank, num_tp_ranks):
+    def run(logits, bias, mask, to_physical_map, logical_count, fix_routing_mask, unmapped_topk_idx, topk_idx,
+            topk_weights, routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks):
         with T.Kernel(T.ceildiv(num_tokens, block_tokens), threads=threads) as bx:
             tx = T.get_thread_binding()
             key_sh = T.alloc_shared((warps, E), f32)
@@ -301,6 +330,9 @@ def build(shape, c):
             wsc = T.alloc_local((1,), f32)
             tot = T.alloc_local((1,), f32)
             idx = T.alloc_local((1,), i64)
+            if has_fix:
+                fixed = T.alloc_local((1,), i32)
+                chosen = T.alloc_local((1,), i64)  # lane r < K: the r-th logical index, selected or the caller's
             w = tx // 32
             lane = tx % 32
             for it in T.serial(tpw):
@@ -353,59 +385,85 @@ def build(shape, c):
                                 sc_sh[w, i * 128 + lane * 4 + j] = score_of(xs[i * 4 + j])
                                 key_sh[w, i * 128 + lane * 4 + j] = score_of(xs[i * 4 + j]) + bs[i * 4 + j]
                 T.sync_warp()
-                if grouped:
-                    gc = T.min(lane, G - 1)  # lanes past the groups compute a valid group, never count
-                    top[0] = -T.infinity(f32)
-                    top[1] = -T.infinity(f32)
-                    for j in grp_loop(EPG):
-                        # Start at a lane-dependent expert: fewer shared-memory bank conflicts; the top
-                        # two (and so their sum) do not depend on the visiting order.
-                        x = key_sh[w, gc * EPG + (j + gc) % EPG]
-                        top[1] = T.if_then_else(x > top[0], top[0], T.if_then_else(x > top[1], x, top[1]))
-                        top[0] = T.if_then_else(x > top[0], x, top[0])
-                    gs = top[0] + top[1]
-                    rank[0] = 0
-                    for h in T.unroll(G):
-                        other = T.shfl_sync(gs, h)
-                        rank[0] = rank[0] + T.if_then_else((other > gs) | ((other == gs) & (h < lane)), 1, 0)
-                    mine[0] = T.call_extern("uint32", "__ballot_sync", FULL,
-                                            T.cast((lane < G) & (rank[0] < KG), i32))
-                for s in T.unroll(PER_LANE):
-                    # Order-preserving key; adding +0 turns -0 into +0 so they tie as in torch.
-                    b = T.reinterpret(T.ieee_add(key_sh[w, T.min(expert_of(s, lane), E - 1)], T.float32(0.0)), u32)
-                    kv = b ^ (T.reinterpret(T.reinterpret(b, i32) >> 31, u32) | T.uint32(0x80000000))
+                pick = True  # (a Python True: no branch in the variants without fix_routing_mask)
+                if has_fix:
+                    # Warp-uniform (one token per warp): a fixed token skips the selection, its lanes read
+                    # the caller's indices below.
+                    fixed[0] = T.if_then_else(fix_routing_mask[tc] != T.int8(0), 1, 0)
+                    pick = fixed[0] == 0
+                if pick:
                     if grouped:
-                        # Key 0: never selected (past the row's end, or in a group that was not kept).
-                        keys[s] = T.if_then_else(
-                            (expert_of(s, lane) < E)
-                            & (((mine[0] >> T.cast(T.min(expert_of(s, lane), E - 1) // EPG, u32)) & T.uint32(1))
-                               == T.uint32(1)), kv, T.uint32(0))
-                    else:
-                        keys[s] = T.if_then_else(expert_of(s, lane) < E, kv, T.uint32(0))
-                mine[0] = T.uint32(0)
-                for r in T.unroll(K):
-                    bk[0] = keys[0]
-                    gi[0] = T.uint32(expert_of(0, lane))
-                    for s in T.unroll(1, PER_LANE):
-                        better = keys[s] > bk[0]
-                        bk[0] = T.if_then_else(better, keys[s], bk[0])
-                        gi[0] = T.if_then_else(better, T.uint32(expert_of(s, lane)), gi[0])
-                    reduce_pair(bk, gi)
-                    mine[0] = T.if_then_else(lane == r, gi[0], mine[0])
-                    if r + 1 < K:
-                        for s in T.unroll(PER_LANE):
-                            keys[s] = T.if_then_else(gi[0] == T.uint32(expert_of(s, lane)), T.uint32(0), keys[s])
+                        gc = T.min(lane, G - 1)  # lanes past the groups compute a valid group, never count
+                        top[0] = -T.infinity(f32)
+                        top[1] = -T.infinity(f32)
+                        for j in grp_loop(EPG):
+                            # Start at a lane-dependent expert: fewer shared-memory bank conflicts; the top
+                            # two (and so their sum) do not depend on the visiting order.
+                            x = key_sh[w, gc * EPG + (j + gc) % EPG]
+                            top[1] = T.if_then_else(x > top[0], top[0], T.if_then_else(x > top[1], x, top[1]))
+                            top[0] = T.if_then_else(x > top[0], x, top[0])
+                        gs = top[0] + top[1]
+                        rank[0] = 0
+                        for h in T.unroll(G):
+                            other = T.shfl_sync(gs, h)
+                            rank[0] = rank[0] + T.if_then_else((other > gs) | ((other == gs) & (h < lane)), 1, 0)
+                        mine[0] = T.call_extern("uint32", "__ballot_sync", FULL,
+                                                T.cast((lane < G) & (rank[0] < KG), i32))
+                    for s in T.unroll(PER_LANE):
+                        # Order-preserving key; adding +0 turns -0 into +0 so they tie as in torch.
+                        b = T.reinterpret(T.ieee_add(key_sh[w, T.min(expert_of(s, lane), E - 1)], T.float32(0.0)), u32)
+                        kv = b ^ (T.reinterpret(T.reinterpret(b, i32) >> 31, u32) | T.uint32(0x80000000))
+                        if grouped:
+                            # Key 0: never selected (past the row's end, or in a group that was not kept).
+                            keys[s] = T.if_then_else(
+                                (expert_of(s, lane) < E)
+                                & (((mine[0] >> T.cast(T.min(expert_of(s, lane), E - 1) // EPG, u32)) & T.uint32(1))
+                                   == T.uint32(1)), kv, T.uint32(0))
+                        else:
+                            keys[s] = T.if_then_else(expert_of(s, lane) < E, kv, T.uint32(0))
+                    mine[0] = T.uint32(0)
+                    for r in T.unroll(K):
+                        bk[0] = keys[0]
+                        gi[0] = T.uint32(expert_of(0, lane))
+                        for s in T.unroll(1, PER_LANE):
+                            better = keys[s] > bk[0]
+                            bk[0] = T.if_then_else(better, keys[s], bk[0])
+                            gi[0] = T.if_then_else(better, T.uint32(expert_of(s, lane)), gi[0])
+                        reduce_pair(bk, gi)
+                        mine[0] = T.if_then_else(lane == r, gi[0], mine[0])
+                        if r + 1 < K:
+                            for s in T.unroll(PER_LANE):
+                                keys[s] = T.if_then_else(gi[0] == T.uint32(expert_of(s, lane)), T.uint32(0), keys[s])
                 # Lane r < K holds the r-th winner; its score from shared memory (clamped: always in bounds).
-                wsc[0] = T.if_then_else(lane < K, sc_sh[w, T.min(T.cast(mine[0], i32), E - 1)], T.float32(0.0))
+                if has_fix:
+                    if fixed[0] == 1:
+                        chosen[0] = T.int64(0)
+                        if (tok < num_tokens) & (lane < K):
+                            chosen[0] = unmapped_topk_idx[tok, lane]
+                    else:
+                        chosen[0] = T.cast(T.min(T.cast(mine[0], i32), E - 1), i64)
+                    wsc[0] = T.if_then_else(
+                        lane < K, sc_sh[w, T.cast(T.min(T.max(chosen[0], T.int64(0)), T.int64(E - 1)), i32)],
+                        T.float32(0.0))
+                else:
+                    wsc[0] = T.if_then_else(lane < K, sc_sh[w, T.min(T.cast(mine[0], i32), E - 1)], T.float32(0.0))
                 tot[0] = T.float32(1e-20)
                 for r in T.unroll(K):
                     tot[0] = tot[0] + T.shfl_sync(wsc[0], r)
-                idx[0] = T.if_then_else(lane < K, T.cast(T.min(T.cast(mine[0], i32), E - 1), i64),
-                                        T.cast(E + lane - K, i64))
+                if has_fix:
+                    idx[0] = T.if_then_else(lane < K, chosen[0], T.cast(E + lane - K, i64))
+                else:
+                    idx[0] = T.if_then_else(lane < K, T.cast(T.min(T.cast(mine[0], i32), E - 1), i64),
+                                            T.cast(E + lane - K, i64))
                 finish(idx, tok, ep_rank, per_gpu, tp_rank, num_tp_ranks, to_physical_map, logical_count)
                 act[0] = 1
                 if has_mask:  # a masked token: -1 / 0.0 (its routing is computed, never stored)
                     act[0] = T.if_then_else(mask[tc] != T.int8(0), 1, 0)
+                if has_unmapped:  # the logical index (idx has been mapped by now); -1 for a masked token
+                    if (tok < num_tokens) & (lane < K):
+                        unmapped_topk_idx[tok, lane] = T.if_then_else(
+                            act[0] == 1, chosen[0] if has_fix else T.cast(T.min(T.cast(mine[0], i32), E - 1), i64),
+                            T.int64(-1))
                 if (tok < num_tokens) & (lane < P):
                     topk_idx[tok, lane] = T.if_then_else(act[0] == 1, idx[0], T.int64(-1))
                     topk_weights[tok, lane] = T.if_then_else(
@@ -417,31 +475,39 @@ def build(shape, c):
 
 
 def _prim_func(T, run, shape, num_tokens):
-    """The PrimFunc of this variant: logits, bias, [mask], [to_physical_map, logical_count], the outputs, then
-    the scalars. One definition with every param after the first two defaulting to None; the annotations of
-    the tensors this variant does not take are deleted before T.prim_func reads them, so they are no params."""
-    E, P = shape["num_experts"], shape["num_topk"] + shape["num_shared_experts"]
-    NL, D = E + shape["num_shared_experts"], shape["num_duplicates"]
+    """The PrimFunc of this variant: logits, bias, [mask], [to_physical_map, logical_count], [fix_routing_mask],
+    [unmapped_topk_idx], the outputs, then the scalars (the spec's inputs, outputs and scalars, in order). One
+    definition with every param after the first two defaulting to None; the annotations of the tensors this
+    variant does not take are deleted before T.prim_func reads them, so they are no params."""
+    E, K, S = shape["num_experts"], shape["num_topk"], shape["num_shared_experts"]
+    P, NL, D = K + S, E + S, shape["num_duplicates"]
     f32, i32, i64 = T.float32, T.int32, T.int64  # num_tokens: the builder's T.dynamic, which run() uses
+    # unmapped_topk_idx may be a view (any row stride): its row stride is a runtime arg of the kernel.
+    unmapped_rows = T.dynamic(stride_name("unmapped_topk_idx", 0)) if shape["has_unmapped"] else K
 
     def top2_sum_gate(
         logits: T.Tensor[(num_tokens, E), f32], bias: T.Tensor[(E,), f32],
         mask: T.Tensor[(num_tokens,), T.int8] = None,
         to_physical_map: T.Tensor[(NL, D), i32] = None, logical_count: T.Tensor[(NL,), i32] = None,
+        fix_routing_mask: T.Tensor[(num_tokens,), T.int8] = None,
+        unmapped_topk_idx: T.StridedTensor[(num_tokens, K), (unmapped_rows, 1), i64] = None,
         topk_idx: T.Tensor[(num_tokens, P), i64] = None, topk_weights: T.Tensor[(num_tokens, P), f32] = None,
         routed_scaling_factor: T.float32 = None, ep_rank: T.int32 = None, per_gpu: T.int32 = None,
         tp_rank: T.int32 = None, num_tp_ranks: T.int32 = None,
     ):
-        run(logits, bias, mask, to_physical_map, logical_count, topk_idx, topk_weights, routed_scaling_factor,
-            ep_rank, per_gpu, tp_rank, num_tp_ranks)
+        run(logits, bias, mask, to_physical_map, logical_count, fix_routing_mask, unmapped_topk_idx, topk_idx,
+            topk_weights, routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks)
 
-    absent = [n for n, present in (("mask", shape["has_mask"]), ("to_physical_map", shape["has_map"]),
-                                   ("logical_count", shape["has_map"])) if not present]
-    for name in absent:
-        del top2_sum_gate.__annotations__[name]
-    # The function's name as the four hand-written variants had it (it names the kernel in the source).
-    top2_sum_gate.__name__ = "top2_sum_gate" + "".join(f"_{f}" for f, on in (("mask", shape["has_mask"]),
-                                                                               ("map", shape["has_map"])) if on)
+    flags = (("mask", ("mask",)), ("map", ("to_physical_map", "logical_count")), ("fix", ("fix_routing_mask",)),
+             ("unmapped", ("unmapped_topk_idx",)))
+    present = {"mask": shape["has_mask"], "map": shape["has_map"], "fix": shape["has_fix"],
+               "unmapped": shape["has_unmapped"]}
+    for flag, names in flags:
+        if not present[flag]:
+            for name in names:
+                del top2_sum_gate.__annotations__[name]
+    # Named by the tensors it takes, as the hand-written variants were (the name is the kernel's in the source).
+    top2_sum_gate.__name__ = "top2_sum_gate" + "".join(f"_{flag}" for flag, _ in flags if present[flag])
     return T.prim_func(top2_sum_gate)
 
 
@@ -453,8 +519,11 @@ def scalars_for(shape: dict, num_ep_ranks: int, tp_rank: int, num_tp_ranks: int)
 def make_inputs(shape, device="cpu", seed=0):
     """logits, bias (odd seeds: coarse values, so equal keys and equal group sums, and rows of one value),
     the mask (has_mask: 30% of the tokens not routed), the map tensors (has_map; odd seeds: some counts
-    outside [1, num_duplicates]), then the scalars routed_scaling_factor, ep_rank, per_gpu, tp_rank,
-    num_tp_ranks (8 EP ranks, 2 TP ranks, rank 1; odd seeds 4 EP ranks, 1 TP rank)."""
+    outside [1, num_duplicates]), fix_routing_mask (has_fix: 30% of the tokens fixed), unmapped_topk_idx
+    (has_unmapped: a view of a wider buffer, each row num_topk distinct experts in random order; odd seeds:
+    a few entries of fixed rows outside [0, num_experts), unsupported but in bounds), then the scalars
+    routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks (8 EP ranks, 2 TP ranks, rank 1; odd seeds
+    4 EP ranks, 1 TP rank)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     n, e = shape["num_tokens"], shape["num_experts"]
     x = torch.randn(n, e, generator=g, dtype=torch.float32) * 2
@@ -485,6 +554,17 @@ def make_inputs(shape, device="cpu", seed=0):
             bad = torch.rand(nl, generator=g) < 0.1
             cnt[bad] = torch.where(torch.rand(int(bad.sum()), generator=g) < 0.5, 0, d + 1).to(torch.int32)
         tensors += [m.to(device), cnt.to(device)]
+    if shape["has_fix"]:
+        tensors.append((torch.rand(n, generator=g) < 0.3).to(torch.int8).to(device))
+    if shape["has_unmapped"]:
+        k = shape["num_topk"]
+        picked = torch.rand(n, e, generator=g).argsort(dim=1)[:, :k]
+        if seed % 2 == 1:
+            odd = torch.rand(n, k, generator=g) < 0.03
+            picked[odd] = torch.tensor([-1, e, -(2**40), 2**40])[torch.randint(0, 4, (int(odd.sum()),), generator=g)]
+        wide = torch.full((n, k + 3), -7, dtype=torch.int64)  # rows of k + 3: the view's row stride is not k
+        wide[:, 1:k + 1] = picked
+        tensors.append(wide.to(device)[:, 1:k + 1])
     return (*tensors, 2.5 if seed % 2 == 0 else 1.0, seed % 3, per_gpu, tp_rank, tps)
 
 
@@ -518,13 +598,17 @@ def scores_of(shape: dict, logits: torch.Tensor) -> torch.Tensor:
 
 
 def reference(shape, logits, bias, *rest):
-    mask = None
+    """(unmapped_topk_idx after the call, when has_unmapped), topk_idx, topk_weights."""
+    mask = to_physical_map = logical_count = fix = unmapped = None
     if shape["has_mask"]:
         mask, *rest = rest
     if shape["has_map"]:
-        to_physical_map, logical_count, routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks = rest
-    else:
-        routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks = rest
+        to_physical_map, logical_count, *rest = rest
+    if shape["has_fix"]:
+        fix, *rest = rest
+    if shape["has_unmapped"]:
+        unmapped, *rest = rest
+    routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks = rest
     n, e = logits.shape
     k, s = shape["num_topk"], shape["num_shared_experts"]
     scores = scores_of(shape, logits)
@@ -536,7 +620,11 @@ def reference(shape, logits, bias, *rest):
         drop = torch.ones(n, ng, dtype=torch.bool, device=logits.device).scatter_(1, kept, False)
         keys = keys.masked_fill(drop.repeat_interleave(e // ng, dim=1), float("-inf"))
     idx = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :k]
-    w = scores.gather(1, idx)
+    if fix is not None:  # fixed tokens: the given indices, their scores read at the index clamped into [0, e)
+        idx = torch.where((fix != 0).unsqueeze(1), unmapped, idx)
+    w = scores.gather(1, idx.clamp(0, e - 1))
+    routed = torch.ones(n, 1, dtype=torch.bool, device=logits.device) if mask is None else (mask != 0).unsqueeze(1)
+    logical = torch.where(routed, idx, -1) if unmapped is not None else None
     tot = torch.full((n, 1), 1e-20, dtype=torch.float32, device=logits.device)
     for j in range(k):
         tot = tot + w[:, j : j + 1]
@@ -545,19 +633,20 @@ def reference(shape, logits, bias, *rest):
         idx = torch.cat([idx, torch.arange(e, e + s, device=logits.device).expand(n, s)], dim=1)
         w = torch.cat([w, torch.ones(n, s, dtype=torch.float32, device=logits.device)], dim=1)
     if shape["has_map"]:
-        cnt = logical_count.long()[idx]
-        ok = (cnt >= 1) & (cnt <= shape["num_duplicates"])
+        inside = (idx >= 0) & (idx < logical_count.numel())  # (only a fixed index may be outside)
+        safe = torch.where(inside, idx, 0)
+        cnt = logical_count.long()[safe]
+        ok = inside & (cnt >= 1) & (cnt <= shape["num_duplicates"])
         tok = torch.arange(n, device=logits.device).unsqueeze(1)
         dup = (ep_rank + tok * PRIME) % cnt.clamp(min=1)
-        idx = torch.where(ok, to_physical_map.long()[idx, torch.where(ok, dup, 0)], -1)
+        idx = torch.where(ok, to_physical_map.long()[safe, torch.where(ok, dup, 0)], -1)
     gpu = idx.div(per_gpu, rounding_mode="floor")
     keep = (idx >= 0) & (gpu.remainder(num_tp_ranks) == tp_rank)
     idx = torch.where(keep, gpu.div(num_tp_ranks, rounding_mode="floor") * per_gpu + idx.remainder(per_gpu), -1)
     if mask is not None:  # tokens not routed: -1 / 0.0 (the others keep their global token index above)
-        routed = (mask != 0).unsqueeze(1)
         idx = torch.where(routed, idx, -1)
         w = torch.where(routed, w, torch.zeros((), dtype=torch.float32, device=w.device))
-    return idx, w
+    return (logical, idx, w) if logical is not None else (idx, w)
 
 
 def _bytes(s):
@@ -581,6 +670,10 @@ SPEC = register(
             Static("has_mask", bool, default=False, doc="mask given (False: the token is not routed)"),
             Static("has_map", bool, default=False, doc="to_physical_map / logical_count given"),
             Static("num_duplicates", lo=1, hi=64, default=1, doc="to_physical_map columns (num_extra_experts + 1)"),
+            Static("has_fix", bool, default=False,
+                   doc="fix_routing_mask given (True: the token keeps its unmapped_topk_idx row); needs has_unmapped"),
+            Static("has_unmapped", bool, default=False,
+                   doc="unmapped_topk_idx given (updated in place: the logical indices, -1 for masked tokens)"),
         ),
         space={
             "layout": ("warp", "thread"),
@@ -603,6 +696,11 @@ SPEC = register(
                                                    "num_duplicates"), align=4, optional="has_map"),
             TensorArg("logical_count", "int32", (lambda s: s["num_experts"] + s["num_shared_experts"],),
                       align=4, optional="has_map"),
+            # TileKernels' bool fix_routing_mask, as int8 like the mask.
+            TensorArg("fix_routing_mask", "int8", ("num_tokens",), align=1, optional="has_fix"),
+            # Read (fixed tokens) and written (every token) in place; any row stride (a view of a wider buffer).
+            TensorArg("unmapped_topk_idx", "int64", ("num_tokens", "num_topk"), strided=True, align=8, inout=True,
+                      optional="has_unmapped"),
         ),
         outputs=(
             TensorArg("topk_idx", "int64", ("num_tokens", lambda s: s["num_topk"] + s["num_shared_experts"])),
@@ -629,6 +727,11 @@ SPEC = register(
              "scoring_func": "softmax"},
             {"num_tokens": 8192, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4,
              "num_shared_experts": 1, "has_map": True, "num_duplicates": 9},
+            {"num_tokens": 8192, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4,
+             "has_mask": True, "has_unmapped": True},
+            {"num_tokens": 8192, "num_experts": 256, "num_topk": 8, "num_groups": 8, "num_topk_groups": 4,
+             "num_shared_experts": 1, "has_map": True, "num_duplicates": 9, "has_mask": True, "has_fix": True,
+             "has_unmapped": True},
         ),
     )
 )
