@@ -69,9 +69,10 @@ def _swiglu_channel(shape: dict, named: dict) -> dict:
 
 
 def _top2(shape: dict, named: dict) -> dict:
-    """One EP and TP rank, no shared experts; the mask (make_inputs' int8, the kernel's form) as the op's bool."""
+    """One EP and TP rank, no shared experts; the masks (make_inputs' int8, the kernel's form) as the op's bool."""
     return {"use_shared_as_routed": False, "num_shared_experts": 0, "num_ep_ranks": 1, "ep_rank": 0, "tp_rank": 0,
-            "num_tp_ranks": 1, "mask": named["mask"].bool() if "mask" in named else None}
+            "num_tp_ranks": 1, "mask": named["mask"].bool() if "mask" in named else None,
+            "fix_routing_mask": named["fix_routing_mask"].bool() if "fix_routing_mask" in named else None}
 
 
 def _reduce(shape: dict, named: dict) -> dict:
@@ -144,8 +145,8 @@ CASES: dict[str, Case] = {
     "swiglu_forward_and_per_channel_cast_and_transpose": Case("swiglu_forward_and_per_channel_cast_and_transpose",
                                                               args=_swiglu_channel),
     "swiglu_forward_and_per_token_cast": Case("swiglu_forward_and_per_token_cast", shape=_SWIGLU_TOKEN_SHAPE),
-    "top2_sum_gate": Case("top2_sum_gate", shape={"has_mask": True, "has_map": True, "num_duplicates": 2},
-                          args=_top2),
+    "top2_sum_gate": Case("top2_sum_gate", shape={"has_mask": True, "has_map": True, "num_duplicates": 2,
+                                                  "has_fix": True, "has_unmapped": True}, args=_top2),
     "topk_gate": Case("topk_gate"),
     "topk_sum_and_topk_group_idx": Case("topk_sum_and_topk_group_idx"),
     "transpose": Case("transpose", shape={"dtype": "float32"}),
@@ -369,6 +370,7 @@ def test_eager_refuses_bad_input_as_the_fake_does(name, monkeypatch):
 VARIANTS = [
     ("top2_sum_gate", Case("top2_sum_gate", shape={"has_map": True, "num_duplicates": 2}, args=_top2)),
     ("top2_sum_gate", Case("top2_sum_gate", shape={"has_mask": True}, args=_top2)),
+    ("top2_sum_gate", Case("top2_sum_gate", shape={"has_unmapped": True}, args=_top2)),
     ("reduce_fused", Case("reduce_fused", shape={"has_weights": False}, args=_reduce)),
     ("reduce_fused", Case("reduce_fused", shape={"has_x_sf": True}, args=_reduce)),
     ("per_channel_cast_fused", Case("per_channel_cast_fused", shape={"has_pos": True})),

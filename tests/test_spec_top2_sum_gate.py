@@ -522,6 +522,79 @@ def test_ops_compile_and_compat_match_the_reference():
     assert out[0].shape == (0, 6) and out[0].dtype == torch.int64 and out[1].dtype == torch.float32
 
 
+def _fixed_call(n=37, seed=0):
+    """A compat call's tensors with every option: 64 experts, one shared expert through the map, a mask, a third of
+    the tokens fixed to valid distinct experts, unmapped_topk_idx a view of a wider buffer."""
+    x, b = _inputs(n, seed=seed)
+    pmap = torch.arange(65 * 2, dtype=torch.int32).view(65, 2) % 66
+    cnt = torch.tensor([1, 2] * 32 + [2], dtype=torch.int32)
+    mask = torch.arange(n) % 5 != 1
+    fix = torch.arange(n) % 3 == 0
+    wide = torch.full((n, 12), 77, dtype=torch.int64)
+    wide[:, 2:10] = _distinct(n, 64, 8, seed + 1)
+    return x, b, {"mask": mask, "fix_routing_mask": fix, "to_physical_map": pmap, "logical_count": cnt,
+                  "unmapped_topk_idx": wide[:, 2:10]}
+
+
+GATE = (8, 2, 8, True, 1, 2.5, 3, 2, 0, 1, "sigmoid")  # num_topk .. scoring_func, for _fixed_call's tensors
+
+
+def test_compat_fixed_routing_and_unmapped_match_tile_kernels_reference():
+    """Formerly NotImplementedError: fix_routing_mask and unmapped_topk_idx through the compat API, the op (eager
+    and torch.compile'd) as TileKernels' torch reference has them."""
+    x, b, kw = _fixed_call()
+    given = kw["unmapped_topk_idx"].clone()
+    want_unmapped = given.clone()
+    want = _tk_reference(x, b, *GATE, **{**kw, "unmapped_topk_idx": want_unmapped})
+    compiled = torch.compile(lambda s, t, u: tkjit.ops.top2_sum_gate(s, t, *GATE, **{**kw, "unmapped_topk_idx": u}),
+                             fullgraph=True)
+    calls = (lambda u: tk_moe.top2_sum_gate(x, b, *GATE, **{**kw, "unmapped_topk_idx": u}),
+             lambda u: tkjit.ops.top2_sum_gate(x, b, *GATE, **{**kw, "unmapped_topk_idx": u}),
+             lambda u: torch.ops.tkjit.top2_sum_gate(x, b, *GATE, **{**kw, "unmapped_topk_idx": u}),
+             lambda u: compiled(x, b, u))
+    for call in calls:
+        wide = kw["unmapped_topk_idx"]._base.clone()
+        unmapped = wide[:, 2:10]
+        unmapped.copy_(given)
+        got = call(unmapped)
+        assert len(got) == 2 and got[0].shape == (37, 9)
+        assert torch.equal(got[0], want[0]) and torch.equal(unmapped, want_unmapped)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+        assert (wide[:, :2] == 77).all() and (wide[:, 10:] == 77).all()
+    fixed = kw["fix_routing_mask"] & kw["mask"]
+    assert fixed.any() and torch.equal(want_unmapped[fixed], given[fixed])
+    assert (want_unmapped[~kw["mask"]] == -1).all()
+    out = tk_moe.top2_sum_gate(x[:0], b, *ARGS, unmapped_topk_idx=torch.empty(0, 6, dtype=torch.int64))
+    assert out[0].shape == (0, 6)
+
+
+def test_op_fixed_routing_fake_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    f = torch.ops.tkjit.top2_sum_gate.default
+    x, b, kw = _fixed_call(13)
+    args = (x, b, *GATE, kw["mask"], kw["fix_routing_mask"], kw["to_physical_map"], kw["logical_count"],
+            kw["unmapped_topk_idx"].contiguous())
+    result = torch.library.opcheck(f, args, test_utils=OPCHECK_TESTS)
+    assert result == dict.fromkeys(OPCHECK_TESTS, "SUCCESS"), result
+    real = f(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = f(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+    # The same refusals from the fake and the real implementation.
+    bad = [(dict(unmapped_topk_idx=None), "fix_routing_mask needs unmapped_topk_idx"),
+           (dict(fix_routing_mask=kw["fix_routing_mask"].to(torch.int8)), "fix_routing_mask has dtype torch.int8"),
+           (dict(unmapped_topk_idx=torch.zeros(13, 8, dtype=torch.int32)), "unmapped_topk_idx has dtype torch.int32"),
+           (dict(unmapped_topk_idx=torch.zeros(13, 7, dtype=torch.int64)), r"unmapped_topk_idx has shape \(13, 7\)"),
+           (dict(unmapped_topk_idx=torch.zeros(8, 13, dtype=torch.int64).t()), r"stride\(1\) == 1")]
+    for change, msg in bad:
+        call = {**kw, **change}
+        with pytest.raises(TensorError, match=msg):
+            f(x, b, *GATE, **call)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, pytest.raises(TensorError, match=msg):
+            f(mode.from_tensor(x), b, *GATE, **{k: v if v is None else mode.from_tensor(v) for k, v in call.items()})
+
+
 def test_compat_argument_errors():
     x, b = _inputs()
     fn = tk_moe.top2_sum_gate
@@ -551,9 +624,18 @@ def test_compat_argument_errors():
         fn(x, b, *ARGS, mask=torch.ones(37, dtype=torch.int32))
     with pytest.raises(TensorError, match="mask has 36 entries"):
         fn(x, b, *ARGS, mask=torch.ones(36, dtype=torch.bool))
-    for name, t in (("fix_routing_mask", torch.ones(37, dtype=torch.bool)),
-                    ("unmapped_topk_idx", torch.zeros(37, 6, dtype=torch.int64))):
-        with pytest.raises(NotImplementedError, match=name):
-            fn(x, b, *ARGS, **{name: t})
+    fix, unmapped = torch.ones(37, dtype=torch.bool), torch.zeros(37, 6, dtype=torch.int64)
+    for kw, msg in [({"fix_routing_mask": fix}, "fix_routing_mask needs unmapped_topk_idx"),
+                    ({"fix_routing_mask": fix.to(torch.int8)}, "fix_routing_mask must be torch.bool"),
+                    ({"fix_routing_mask": fix[:36]}, r"fix_routing_mask must be contiguous with num_tokens \(37\)"),
+                    ({"fix_routing_mask": torch.ones(74, dtype=torch.bool)[::2]}, "must be contiguous"),
+                    ({"unmapped_topk_idx": unmapped.int()}, "unmapped_topk_idx must be torch.int64"),
+                    ({"unmapped_topk_idx": unmapped[:, :5]}, r"\(num_tokens, num_topk\) = \(37, 6\)"),
+                    ({"unmapped_topk_idx": unmapped[0]}, "unmapped_topk_idx must be 2-D"),
+                    ({"unmapped_topk_idx": torch.zeros(6, 37, dtype=torch.int64).t()}, r"stride\(1\) == 1")]:
+        if "needs" not in msg:  # (a valid partner for the argument under test)
+            kw = {"unmapped_topk_idx": unmapped, **kw}
+        with pytest.raises(TensorError, match=msg):
+            fn(x, b, *ARGS, **kw)
     with pytest.raises(NotImplementedError, match="num_experts"):
         fn(torch.randn(3, 66), torch.randn(66), 6, 0, 0, False, 0, 1.0, 0, 1, 0, 1, "sigmoid")

@@ -245,17 +245,22 @@ def expand_to_fused_with_sf(x: tuple[torch.Tensor, torch.Tensor], num_per_channe
 def top2_sum_gate(logits: torch.Tensor, bias: torch.Tensor, num_topk: int, num_topk_groups: int, num_groups: int,
                   use_shared_as_routed: bool, num_shared_experts: int, routed_scaling_factor: float, ep_rank: int,
                   num_ep_ranks: int, tp_rank: int, num_tp_ranks: int, scoring_func: str,
-                  mask: torch.Tensor | None = None, to_physical_map: torch.Tensor | None = None,
-                  logical_count: torch.Tensor | None = None, *, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 grouped routing (TileKernels' `top2_sum_gate`): float32 logits (num_tokens, num_experts) and
-    bias (num_experts,) -> (topk_idx int64, topk_weights float32), (num_tokens, num_topk + shared experts):
-    scores, bias-steered selection of the top groups (top-2 sums) and experts, normalised weights, shared
-    experts, replica mapping (to_physical_map / logical_count) and EP/TP remap; mask (bool, num_tokens): False
-    -> that token's row is -1 / 0.0."""
+                  mask: torch.Tensor | None = None, fix_routing_mask: torch.Tensor | None = None,
+                  to_physical_map: torch.Tensor | None = None, logical_count: torch.Tensor | None = None,
+                  unmapped_topk_idx: torch.Tensor | None = None, *,
+                  config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 grouped routing (TileKernels' `top2_sum_gate`, its argument order): float32 logits
+    (num_tokens, num_experts) and bias (num_experts,) -> (topk_idx int64, topk_weights float32), (num_tokens,
+    num_topk + shared experts): scores, bias-steered selection of the top groups (top-2 sums) and experts,
+    normalised weights, shared experts, replica mapping (to_physical_map / logical_count) and EP/TP remap; mask
+    (bool, num_tokens): False -> that token's row is -1 / 0.0. unmapped_topk_idx (int64, (num_tokens, num_topk),
+    stride(1) == 1): updated in place with the logical indices (-1 for a masked token); fix_routing_mask (bool,
+    num_tokens; needs unmapped_topk_idx): True -> that token keeps the indices in its unmapped_topk_idx row."""
     args = (logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
-            routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map,
-            logical_count, encode_config(config))
-    tensors = [t for t in (logits, bias, mask, to_physical_map, logical_count) if t is not None]
+            routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, fix_routing_mask,
+            to_physical_map, logical_count, unmapped_topk_idx, encode_config(config))
+    tensors = [t for t in (logits, bias, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
+               if t is not None]
     if _eager(*tensors):
         return torch_ops.top2_sum_gate_impl(*args)
     return torch.ops.tkjit.top2_sum_gate.default(*args)

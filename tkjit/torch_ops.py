@@ -9,8 +9,9 @@
     torch.ops.tkjit.normalize_weight(topk_weights, config=None)                             # (denominator, normalized)
     torch.ops.tkjit.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks, config=None)
     torch.ops.tkjit.inplace_unique_group_indices(group_indices, num_groups, config=None)   # in place, None
-    torch.ops.tkjit.top2_sum_gate(logits, bias, num_topk, ..., scoring_func, mask=None, to_physical_map=None,
-                                  logical_count=None, config=None)                 # (topk_idx, topk_weights)
+    torch.ops.tkjit.top2_sum_gate(logits, bias, num_topk, ..., scoring_func, mask=None, fix_routing_mask=None,
+                                  to_physical_map=None, logical_count=None, unmapped_topk_idx=None,
+                                  config=None)          # (topk_idx, topk_weights); unmapped_topk_idx in place
     torch.ops.tkjit.cast_back(x, sf, block_tokens=1, block_channels=128, out_dtype='bfloat16', config=None)
     torch.ops.tkjit.cast_back_colmajor(x, sf_storage, ...)                          # column-major scales' s.T
 
@@ -832,17 +833,42 @@ def _(x, x_sf, num_per_channels, token_topk_to_pos, pos_to_expert, use_tma_align
 _TOP2_SCHEMA = (
     "(Tensor logits, Tensor bias, int num_topk, int num_topk_groups, int num_groups, bool use_shared_as_routed, "
     "int num_shared_experts, float routed_scaling_factor, int ep_rank, int num_ep_ranks, int tp_rank, "
-    "int num_tp_ranks, str scoring_func, Tensor? mask=None, Tensor? to_physical_map=None, "
-    "Tensor? logical_count=None, str? config=None) -> (Tensor, Tensor)"
+    "int num_tp_ranks, str scoring_func, Tensor? mask=None, Tensor? fix_routing_mask=None, "
+    "Tensor? to_physical_map=None, Tensor? logical_count=None, Tensor(a!)? unmapped_topk_idx=None, "
+    "str? config=None) -> (Tensor, Tensor)"
 )
+
+
+def _top2_fixed_routing(op: str, num_tokens, num_topk: int, fix_routing_mask, unmapped_topk_idx) -> None:
+    """TensorError naming the argument unless fix_routing_mask (bool, (num_tokens,)) and unmapped_topk_idx (int64,
+    (num_tokens, num_topk), last axis contiguous) are as TileKernels asserts; fix_routing_mask needs
+    unmapped_topk_idx (the fixed tokens' indices are read from it)."""
+    if fix_routing_mask is not None and unmapped_topk_idx is None:
+        raise TensorError(f"{op}: fix_routing_mask needs unmapped_topk_idx (the fixed tokens' indices are read "
+                          "from it)")
+    if fix_routing_mask is not None:
+        _need(fix_routing_mask, (1,), f"{op}: fix_routing_mask")
+        _need_dtype(fix_routing_mask, torch.bool, f"{op}: fix_routing_mask")
+        _check(fix_routing_mask.shape[0] == num_tokens, lambda: f"{op}: fix_routing_mask has "
+               f"{fix_routing_mask.shape[0]} entries, logits has {num_tokens} tokens")
+    if unmapped_topk_idx is not None:
+        _need(unmapped_topk_idx, (2,), f"{op}: unmapped_topk_idx")
+        _need_dtype(unmapped_topk_idx, torch.int64, f"{op}: unmapped_topk_idx")
+        for axis, want in enumerate((num_tokens, num_topk)):
+            _check(unmapped_topk_idx.shape[axis] == want, lambda: f"{op}: unmapped_topk_idx has shape "
+                   f"{tuple(unmapped_topk_idx.shape)}, expected (num_tokens, num_topk) = ({num_tokens}, {num_topk})")
+        # Any row stride (a view of a wider buffer), as TileKernels.
+        _check(unmapped_topk_idx.stride(1) == 1, lambda: f"{op}: unmapped_topk_idx must have a contiguous last "
+               f"axis (stride(1) == 1), got strides {unmapped_topk_idx.stride()}")
 
 
 def top2_sum_gate_setup(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                         num_shared_experts, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask,
-                        to_physical_map, logical_count) -> tuple[dict, tuple[int, int, int, int]]:
+                        to_physical_map, logical_count, fix_routing_mask=None,
+                        unmapped_topk_idx=None) -> tuple[dict, tuple[int, int, int, int]]:
     """(static shape, (ep_rank, per_gpu, tp_rank, num_tp_ranks)), or ShapeError/TensorError naming the
-    argument: TileKernels' asserts (shared experts, scoring function, map shapes) and sizes that would
-    divide by zero."""
+    argument: TileKernels' asserts (shared experts, scoring function, map shapes, fixed routing) and sizes that
+    would divide by zero."""
     op = "top2_sum_gate"
     _need(logits, (2,), op)
     _need(bias, (1,), op)
@@ -861,6 +887,7 @@ def top2_sum_gate_setup(logits, bias, num_topk, num_topk_groups, num_groups, use
     if mask is not None and (mask.dtype != torch.bool or mask.numel() != logits.shape[0]):
         raise TensorError(f"{op}: mask must be a torch.bool tensor of num_tokens ({logits.shape[0]}) entries, got "
                           f"{mask.dtype} {tuple(mask.shape)}")
+    _top2_fixed_routing(op, logits.shape[0], num_topk, fix_routing_mask, unmapped_topk_idx)
     d = 1
     if to_physical_map is not None:
         _need(to_physical_map, (2,), op)
@@ -875,49 +902,61 @@ def top2_sum_gate_setup(logits, bias, num_topk, num_topk_groups, num_groups, use
     per_gpu, tp_rank, num_tp_ranks = tp_scalars(op, e + d - 1, num_ep_ranks, tp_rank, num_tp_ranks)
     shape = {"num_experts": e, "num_topk": num_topk, "num_groups": num_groups, "num_topk_groups": num_topk_groups,
              "num_shared_experts": s, "scoring_func": scoring_func, "has_mask": mask is not None,
-             "has_map": to_physical_map is not None, "num_duplicates": d}
+             "has_map": to_physical_map is not None, "num_duplicates": d,
+             "has_fix": fix_routing_mask is not None, "has_unmapped": unmapped_topk_idx is not None}
     return shape, (ep_rank, per_gpu, tp_rank, num_tp_ranks)
 
 
-def _top2_tensors(logits, bias, mask, to_physical_map, logical_count):
-    """The kernel's tensors: the bool mask goes in as int8 (same bytes; the C target has no bool buffers)."""
+def _top2_tensors(logits, bias, mask, to_physical_map, logical_count, fix_routing_mask=None,
+                  unmapped_topk_idx=None):
+    """The kernel's tensors, in the spec's order: the bool masks go in as int8 (same bytes; the C target has no
+    bool buffers); unmapped_topk_idx as it is (updated in place, through a view too)."""
     out = [logits, bias]
     if mask is not None:
         out.append(mask.reshape(-1).contiguous().view(torch.int8))
     if to_physical_map is not None:
         out += [to_physical_map, logical_count]
+    if fix_routing_mask is not None:
+        out.append(fix_routing_mask.contiguous().view(torch.int8))
+    if unmapped_topk_idx is not None:
+        out.append(unmapped_topk_idx)
     return out
 
 
 def top2_sum_gate_impl(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
                        routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
-                       to_physical_map=None, logical_count=None, config=None):
+                       fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None,
+                       config=None):
     """DeepSeek-V3 grouped routing: float32 logits (num_tokens, num_experts) and bias -> (topk_idx int64,
-    topk_weights float32), both (num_tokens, num_topk + shared experts); TileKernels' `top2_sum_gate`."""
+    topk_weights float32), both (num_tokens, num_topk + shared experts); TileKernels' `top2_sum_gate`.
+    unmapped_topk_idx, when given, is updated in place (the logical indices; read for fix_routing_mask's tokens)."""
     shape, (ep, per_gpu, tp, tps) = top2_sum_gate_setup(
         logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, ep_rank,
-        num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map, logical_count)
+        num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map, logical_count, fix_routing_mask,
+        unmapped_topk_idx)
     if logical_count is not None:
         check_indices("top2_sum_gate", "logical_count", logical_count, shape["num_duplicates"] + 1, lo=1)
     kern = get("top2_sum_gate", {"num_tokens": max(1, logits.shape[0]), **shape}, arch=arch_of(logits),
                config=_config(config))
-    idx, w = kern(*_top2_tensors(logits, bias, mask, to_physical_map, logical_count), float(routed_scaling_factor),
-                  ep, per_gpu, tp, tps)
-    return idx, w
+    got = kern(*_top2_tensors(logits, bias, mask, to_physical_map, logical_count, fix_routing_mask,
+                              unmapped_topk_idx), float(routed_scaling_factor), ep, per_gpu, tp, tps)
+    return got[-2], got[-1]  # (after unmapped_topk_idx, which the kernel returns first when it takes it)
 
 
-top2_sum_gate = torch.library.custom_op("tkjit::top2_sum_gate", mutates_args=(), schema=_TOP2_SCHEMA)(
-    top2_sum_gate_impl)
+top2_sum_gate = torch.library.custom_op("tkjit::top2_sum_gate", mutates_args=("unmapped_topk_idx",),
+                                        schema=_TOP2_SCHEMA)(top2_sum_gate_impl)
 
 
 @top2_sum_gate.register_fake
 def _(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
       routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
-      to_physical_map=None, logical_count=None, config=None):
+      fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None, config=None):
     shape, _ = top2_sum_gate_setup(
         logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, ep_rank,
-        num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map, logical_count)
-    _fake_check("top2_sum_gate", shape, *_top2_tensors(logits, bias, mask, to_physical_map, logical_count))
+        num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map, logical_count, fix_routing_mask,
+        unmapped_topk_idx)
+    _fake_check("top2_sum_gate", shape, *_top2_tensors(logits, bias, mask, to_physical_map, logical_count,
+                                                       fix_routing_mask, unmapped_topk_idx))
     p = num_topk + shape["num_shared_experts"]
     return (logits.new_empty((logits.shape[0], p), dtype=torch.int64),
             logits.new_empty((logits.shape[0], p), dtype=torch.float32))

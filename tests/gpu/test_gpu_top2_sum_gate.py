@@ -1,7 +1,8 @@
 """top2_sum_gate on the GPU: every config of the space against the exact reference (odd seeds: ties, signed
 zeros, rows of one value, out-of-range replica counts), the real tile_kernels package as oracle (its kernel:
-bit-exact; its torch reference: indices exact, weights to float-sum order), 0 tokens, the op (opcheck,
-torch.compile, CUDA graphs) and the compat entry point."""
+bit-exact; its torch reference: indices exact, weights to float-sum order), with fix_routing_mask and
+unmapped_topk_idx too (both layouts), 0 tokens, the op (opcheck, torch.compile, CUDA graphs) and the compat
+entry point."""
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ MOST = 24
 TOKENS = (1, 7, 4001, 65536)
 
 
-def _shape(e=256, k=8, g=8, kg=4, f="sigmoid", s=0, d=1, n=4001, m=False):
+def _shape(e=256, k=8, g=8, kg=4, f="sigmoid", s=0, d=1, n=4001, m=False, fx=False, u=False):
     return {"num_tokens": n, "num_experts": e, "num_topk": k, "num_groups": g, "num_topk_groups": kg,
             "scoring_func": f, "num_shared_experts": s, "has_map": s > 0 or d > 1, "num_duplicates": d,
-            "has_mask": m}
+            "has_mask": m, "has_fix": fx, "has_unmapped": u or fx}
 
 
 STATIC = [dict(), dict(f="softmax"), dict(f="sqrtsoftplus", k=9), dict(e=72, k=6, g=0, kg=0, f="softmax"),
@@ -89,8 +90,11 @@ def test_default_config_every_shape():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(e=72, k=6, g=0, kg=0, f="softmax", s=1, d=2, m=True)])
+@pytest.mark.parametrize("kw", [dict(), dict(e=72, k=6, g=0, kg=0, f="softmax", s=1, d=2, m=True),
+                                dict(s=1, d=9, m=True, fx=True), dict(f="softmax", u=True)])
 def test_every_config_in_the_space(kw):
+    """With fx / u: unmapped_topk_idx checked too (the reference returns it first); odd seeds give fixed
+    indices outside [0, num_experts), which must stay in bounds and agree with the reference."""
     sizes = [{"num_tokens": n} for n in (1, 7, 4001)]
     failures = check_configs(NAME, [_shape(**kw)], sizes, most=MOST)
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
@@ -142,6 +146,49 @@ def test_against_tile_kernels(e, k, g, kg, f, s, d):
             torch.testing.assert_close(got[1], ref[1], rtol=1e-6, atol=0)
 
 
+THREAD = {"layout": "thread", "threads": 128, "tokens_per_warp": 1, "reduce": "shfl"}
+WARP = {"layout": "warp", "threads": 128, "tokens_per_warp": 2, "reduce": "redux"}
+
+
+@pytest.mark.parametrize("config", [None, WARP, THREAD], ids=["default", "warp", "thread"])
+@pytest.mark.parametrize("e,k,g,kg,f,s,d", [TK_CASES[0], TK_CASES[1], TK_CASES[3], TK_CASES[8]])
+def test_against_tile_kernels_fixed_routing(e, k, g, kg, f, s, d, config):
+    """fix_routing_mask and unmapped_topk_idx against TileKernels' kernel: topk_idx and unmapped_topk_idx exact,
+    the weights bit-exact in the warp layout (TileKernels' own), to 1e-6 in the thread layout. Ours writes
+    unmapped_topk_idx through a view of a wider buffer; TileKernels gets a contiguous copy."""
+    tk = pytest.importorskip("tile_kernels")
+
+    for n, seed in ((4001, 0), (4001, 1), (7, 2)):
+        x, b = _tk_inputs(n, e, seed, seed == 1)
+        gen = torch.Generator().manual_seed(seed)
+        kw = {"mask": torch.rand(n, generator=gen).cuda() < 0.8,
+              "fix_routing_mask": torch.rand(n, generator=gen).cuda() < 0.3}
+        if d > 1:
+            kw["to_physical_map"] = torch.randint(0, e + d - 1, (e + s, d), generator=gen, dtype=torch.int32).cuda()
+            kw["logical_count"] = torch.randint(1, d + 1, (e + s,), generator=gen, dtype=torch.int32).cuda()
+        given = torch.rand(n, e, generator=gen).argsort(dim=1)[:, :k].cuda()  # distinct valid experts
+        for num_ep, tp_rank, num_tp in ((8, 0, 1), (8, 1, 2)):
+            args = (x, b, k, kg, g, s > 0, s, 2.5, 3, num_ep, tp_rank, num_tp, f)
+            wide = torch.full((n, k + 3), 7, dtype=torch.int64, device="cuda")
+            ours = wide[:, 1:k + 1]
+            ours.copy_(given)
+            theirs = given.clone()
+            if config is None:
+                got = tk_moe.top2_sum_gate(*args, **kw, unmapped_topk_idx=ours)
+            else:
+                got = tkjit.ops.top2_sum_gate(*args, **kw, unmapped_topk_idx=ours, config=config)
+            want = tk.moe.top2_sum_gate(*args, **kw, unmapped_topk_idx=theirs)
+            where = (n, seed, num_ep, tp_rank)
+            assert torch.equal(got[0], want[0]) and torch.equal(ours, theirs), where
+            assert (wide[:, 0] == 7).all() and (wide[:, k + 1:] == 7).all(), where
+            if config is THREAD:
+                torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+            else:
+                assert torch.equal(got[1], want[1]), where
+            fixed = kw["fix_routing_mask"] & kw["mask"]
+            assert torch.equal(ours[fixed], given[fixed]) and (ours[~kw["mask"]] == -1).all(), where
+
+
 def test_op_opcheck_compile_and_cuda_graph():
     x, b = _tk_inputs(4001, 256, 0, False)
     args = (8, 4, 8, False, 0, 2.5, 0, 8, 1, 2, "sigmoid")
@@ -168,10 +215,16 @@ def test_compat_and_bad_input():
         tk_moe.top2_sum_gate(x, b.half(), 8, 4, 8, False, 0, 1.0, 0, 8, 0, 1, "sigmoid")
     with pytest.raises(ShapeError, match="num_shared_experts"):
         tk_moe.top2_sum_gate(x, b, 8, 4, 8, True, 1, 1.0, 0, 8, 0, 1, "sigmoid")
-    with pytest.raises(NotImplementedError, match="fix_routing_mask"):
+    with pytest.raises(TensorError, match="fix_routing_mask needs unmapped_topk_idx"):
         tk_moe.top2_sum_gate(x, b, 8, 4, 8, False, 0, 1.0, 0, 8, 0, 1, "sigmoid",
-                             fix_routing_mask=torch.ones(64, dtype=torch.bool, device="cuda"),
-                             unmapped_topk_idx=torch.zeros(64, 8, dtype=torch.int64, device="cuda"))
+                             fix_routing_mask=torch.ones(64, dtype=torch.bool, device="cuda"))
+    # Fixed indices outside [0, num_experts) (unsupported): -1 where they are no expert, never out of bounds.
+    unmapped = torch.tensor([[-1, 256, 2**40, -(2**40), 0, 1, 2, 3]] * 64, device="cuda")
+    idx, w = tk_moe.top2_sum_gate(x, b, 8, 4, 8, False, 0, 1.0, 0, 1, 0, 1, "sigmoid",
+                                  fix_routing_mask=torch.ones(64, dtype=torch.bool, device="cuda"),
+                                  unmapped_topk_idx=unmapped)
+    torch.cuda.synchronize()
+    assert (idx[:, 0] == -1).all() and (idx[:, 3] == -1).all() and torch.isfinite(w).all()
     kern = tkjit.get(NAME, _shape(n=64))
     with pytest.raises(TensorError, match="axis 0 must be 256"):
         kern(x, b[:128].contiguous(), 1.0, 0, 32, 0, 1)

@@ -376,9 +376,15 @@ def top2_sum_gate(
     (weight 1), replica mapping through to_physical_map / logical_count, EP/TP remap (-1: another rank).
 
     Bit-identical to TileKernels' kernel (its softmax sum order, its weight sum from 1e-20 in slot order).
-    mask (bool, num_tokens): False -> that token's row is -1 / 0.0, as TileKernels. fix_routing_mask and
-    unmapped_topk_idx are not supported yet (NotImplementedError naming them).
-    Non-finite logits are not supported (TileKernels asserts on them); outputs then stay in bounds.
+    mask (bool, num_tokens): False -> that token's row is -1 / 0.0, as TileKernels. unmapped_topk_idx (int64,
+    (num_tokens, num_topk), stride(1) == 1, any row stride) is updated in place: each routed token's num_topk
+    logical indices (before the replica map and the EP/TP remap), -1 in a masked token's row.
+    fix_routing_mask (bool, (num_tokens,), contiguous; needs unmapped_topk_idx): True -> that token is not
+    selected for but keeps the indices in its unmapped_topk_idx row (in that order), weighted by their unbiased
+    scores normalised as above; shared experts, replica map and remap as usual.
+    Non-finite logits are not supported (TileKernels asserts on them); outputs then stay in bounds. Neither
+    are fixed indices outside [0, num_experts) (TileKernels asserts >= 0): the score is then read at the index
+    clamped into range and the index kept; nothing is read or written out of bounds.
     A logical_count entry outside [1, num_extra_experts + 1] gives -1 (TileKernels reads out of bounds).
     """
     fn = "moe.top2_sum_gate"
@@ -395,12 +401,24 @@ def top2_sum_gate(
                               f"{getattr(mask, 'dtype', type(mask).__name__)}")
         if mask.numel() != num_tokens:
             raise TensorError(f"tile_kernels.{fn}: mask has {mask.numel()} entries, logits has {num_tokens} tokens")
-    for name, t in (("fix_routing_mask", fix_routing_mask), ("unmapped_topk_idx", unmapped_topk_idx)):
-        if t is not None:
-            raise missing(fn, FAMILY, name)
+    if fix_routing_mask is not None:  # as TileKernels asserts
+        if unmapped_topk_idx is None:
+            raise TensorError(f"tile_kernels.{fn}: fix_routing_mask needs unmapped_topk_idx (the fixed tokens' "
+                              "indices are read from it)")
+        tensor(fn, "fix_routing_mask", fix_routing_mask, (1,), (torch.bool,))
+        if fix_routing_mask.shape[0] != num_tokens or not fix_routing_mask.is_contiguous():
+            raise TensorError(f"tile_kernels.{fn}: fix_routing_mask must be contiguous with num_tokens "
+                              f"({num_tokens}) entries, got shape {tuple(fix_routing_mask.shape)} and strides "
+                              f"{fix_routing_mask.stride()}")
     if (to_physical_map is None) != (logical_count is None):
         raise TensorError(f"tile_kernels.{fn}: to_physical_map and logical_count must be given together")
     k = as_int(fn, "num_topk", num_topk)
+    if unmapped_topk_idx is not None:  # as TileKernels asserts
+        tensor(fn, "unmapped_topk_idx", unmapped_topk_idx, (2,), (torch.int64,))
+        if tuple(unmapped_topk_idx.shape) != (num_tokens, k) or unmapped_topk_idx.stride(1) != 1:
+            raise TensorError(f"tile_kernels.{fn}: unmapped_topk_idx must be (num_tokens, num_topk) = "
+                              f"({num_tokens}, {k}) with stride(1) == 1, got shape "
+                              f"{tuple(unmapped_topk_idx.shape)} and strides {unmapped_topk_idx.stride()}")
     kg = as_int(fn, "num_topk_groups", num_topk_groups)
     g = as_int(fn, "num_groups", num_groups)
     s = as_int(fn, "num_shared_experts", num_shared_experts)
@@ -459,15 +477,17 @@ def top2_sum_gate(
     require_kernel(fn, FAMILY, "top2_sum_gate",
                    {"num_experts": e, "num_topk": k, "num_groups": g, "num_topk_groups": kg, "num_shared_experts": s,
                     "scoring_func": scoring, "has_mask": mask is not None, "has_map": to_physical_map is not None,
-                    "num_duplicates": d},
+                    "num_duplicates": d, "has_fix": fix_routing_mask is not None,
+                    "has_unmapped": unmapped_topk_idx is not None},
                    {"num_experts": "num_experts (logits.shape[1])", "num_topk": "num_topk", "num_groups": "num_groups",
                     "num_topk_groups": "num_topk_groups", "num_shared_experts": "num_shared_experts",
                     "scoring_func": "scoring_func", "has_mask": "mask", "has_map": "to_physical_map",
-                    "num_duplicates": "num_extra_experts + 1 (to_physical_map.shape[1])", "num_tokens": "num_tokens"},
+                    "num_duplicates": "num_extra_experts + 1 (to_physical_map.shape[1])", "num_tokens": "num_tokens",
+                    "has_fix": "fix_routing_mask", "has_unmapped": "unmapped_topk_idx"},
                    {"num_tokens": num_tokens})
     return ops.top2_sum_gate(logits, bias, k, kg, g, use_shared_as_routed, s, float(routed_scaling_factor),
                              ints["ep_rank"], ints["num_ep_ranks"], ints["tp_rank"], ints["num_tp_ranks"], scoring,
-                             mask, to_physical_map, logical_count)
+                             mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
 
 
 def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
