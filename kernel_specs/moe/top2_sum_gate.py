@@ -521,9 +521,9 @@ def make_inputs(shape, device="cpu", seed=0):
     the mask (has_mask: 30% of the tokens not routed), the map tensors (has_map; odd seeds: some counts
     outside [1, num_duplicates]), fix_routing_mask (has_fix: 30% of the tokens fixed), unmapped_topk_idx
     (has_unmapped: a view of a wider buffer, each row num_topk distinct experts in random order; odd seeds:
-    a few entries of fixed rows outside [0, num_experts), unsupported but in bounds), then the scalars
-    routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks (8 EP ranks, 2 TP ranks, rank 1; odd seeds
-    4 EP ranks, 1 TP rank)."""
+    a few entries outside [0, num_experts), which a fixed row reads: unsupported, but in bounds), then the
+    scalars routed_scaling_factor, ep_rank, per_gpu, tp_rank, num_tp_ranks (8 EP ranks, 2 TP ranks, rank 1;
+    odd seeds 4 EP ranks, 1 TP rank)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     n, e = shape["num_tokens"], shape["num_experts"]
     x = torch.randn(n, e, generator=g, dtype=torch.float32) * 2
