@@ -27,8 +27,9 @@
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
-#   fleet     # two `tkjit tune` workers sharing one sinkhorn_fwd study through SQLite on the one GPU, against one
-#             # worker (wall time; each config measured once), after a warm-up study fills the compile cache
+#   fleet     # sinkhorn_fwd's 28-config study at 1M tokens: one worker from a cold cache (compiling), then one
+#             # worker and two workers sharing the study through SQLite on the one GPU (wall time; each config
+#             # measured once)
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -217,15 +218,17 @@ tune)
   tail -n 25 "$OUT/pretune.txt"; tail -n 60 "$OUT/bench.txt"; cat "$OUT/hostcost.txt" "$OUT/chain.txt"
   ;;
 fleet)
-  db=sqlite:////tmp/fleet.db; rm -f /tmp/fleet.db
-  T="python -m tkjit.cli tune sinkhorn_fwd --shape num_tokens=4096 n=4 --storage $db --no-user-db --quiet"
-  { timeout 120 $T --study-prefix warm -j 16 > /dev/null 2>&1; echo "warm-up rc=$?"
+  # a fresh cache: the first study compiles all 28 configs (the whole-study figure of a cold start)
+  db=sqlite:////tmp/fleet.db; rm -rf /tmp/fleet.db /tmp/tkc-fleet; export TKJIT_CACHE_DIR=/tmp/tkc-fleet
+  T="python -m tkjit.cli tune sinkhorn_fwd --shape num_tokens=1048576 n=4 --storage $db --no-user-db --quiet"
+  { s=$EPOCHREALTIME; timeout 120 $T --study-prefix cold -j 16 > "$OUT/fleet_cold.txt" 2>&1; echo "cold rc=$?"
+    echo "one worker, cold cache (compiles every config): $(awk "BEGIN{print $EPOCHREALTIME - $s}") s"
     s=$EPOCHREALTIME; timeout 120 $T --study-prefix one -j 8 > "$OUT/fleet_one.txt" 2>&1; echo "one worker rc=$?"
-    echo "one worker: $(awk "BEGIN{print $EPOCHREALTIME - $s}") s"
+    echo "one worker, warm cache: $(awk "BEGIN{print $EPOCHREALTIME - $s}") s"
     s=$EPOCHREALTIME
     timeout 120 $T --study-prefix two -j 8 > "$OUT/fleet_two_a.txt" 2>&1 & a=$!
     timeout 120 $T --study-prefix two -j 8 > "$OUT/fleet_two_b.txt" 2>&1 & b=$!
-    wait $a; ra=$?; wait $b; echo "two workers rc=$ra,$?: $(awk "BEGIN{print $EPOCHREALTIME - $s}") s"
+    wait $a; ra=$?; wait $b; echo "two workers, warm cache, rc=$ra,$?: $(awk "BEGIN{print $EPOCHREALTIME - $s}") s"
     python - <<'PY'
 import collections, optuna
 st = optuna.storages.RDBStorage("sqlite:////tmp/fleet.db")
