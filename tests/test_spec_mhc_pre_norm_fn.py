@@ -4,6 +4,7 @@ their references for the op tests (autograd, fuse_grad_acc, main_grad, opcheck, 
 compat entry point."""
 
 import inspect
+import shutil
 import sys
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def refs(monkeypatch):
 
 LANES = {"layout": "lanes", "warps": 4, "tokens_per_warp": 2, "vec": 8, "block_tokens": 32, "block_k": 64, "stages": 1}
 MMA = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 64, "block_k": 128, "stages": 2}
+BWD_LANES = {"layout": "lanes", "threads": 128, "vec": 2, "tile": 32, "warps": 4, "block_tokens": 64, "block_k": 64}
+BWD_MMA = {"layout": "mma", "threads": 128, "vec": 1, "tile": 32, "warps": 4, "block_tokens": 64, "block_k": 128}
 
 
 def test_registered_defaults_and_constraints():
@@ -88,9 +91,10 @@ def test_registered_defaults_and_constraints():
         tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 96}, arch="sm_90a", config={**LANES, "vec": 8})
     b = tkjit.get_spec(BWD)
     bfull = b.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
-    assert b.default_config(bfull, "sm_90a") == {"threads": 128, "vec": 2, "tile": 32}
+    assert b.default_config(bfull, "sm_90a") == {"layout": "lanes", "threads": 128, "vec": 2, "tile": 32,
+                                                  "warps": 4, "block_tokens": 64, "block_k": 64}
     assert b.constraint(b.canonical_shape({"num_tokens": 1, "mhc_mult3": 80, "mhc_hidden": 1024}),
-                        {"threads": 32, "vec": 2, "tile": 8}) is not None
+                        {**BWD_LANES, "threads": 32, "vec": 2, "tile": 8}) is not None
     for spec in (s, b):
         assert spec.arch_constraint("cpu", spec.default_config(full, "sm_90a"), full) is not None
 
@@ -107,6 +111,89 @@ def test_mma_layout_compiles_to_tf32_tensor_core_gemm_for_sm90a():
     k = tkjit.get(FWD, {"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384}, arch="sm_90a", config=MMA)
     src = (k.path / "kernel.cu").read_text()
     assert "mma_sync<tl::DataType::kTensorFloat32" in src and "cp_async" in src
+
+
+def test_backward_mma_layout_space_and_constraints():
+    """The backward's tensor-core layout: its configs exist only where mhc_mult3 <= 32 and block_k divides K,
+    each layout's unused keys take one value (no duplicate kernels), shared memory and registers bounded."""
+    from tkjit_kernels.mhc import pre_norm_fn_bwd as mod
+
+    b = tkjit.get_spec(BWD)
+    full = b.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
+    assert b.constraint(full, BWD_MMA) is None and b.constraint(full, BWD_LANES) is None
+    assert "padded width" in b.constraint(b.canonical_shape({"num_tokens": 1, "mhc_mult3": 80, "mhc_hidden": 1024}),
+                                          BWD_MMA)
+    assert "multiple of block_k" in b.constraint(b.canonical_shape({"num_tokens": 1, "mhc_mult3": 24,
+                                                                    "mhc_hidden": 96}), BWD_MMA)
+    assert "does not use them" in b.constraint(full, {**BWD_MMA, "vec": 2})
+    assert "does not use them" in b.constraint(full, {**BWD_LANES, "block_k": 128})
+    assert "8 * warps" in b.constraint(full, {**BWD_MMA, "warps": 8, "block_tokens": 32})
+    assert "spill" in b.constraint(full, {**BWD_MMA, "block_k": 256})  # 192 accumulators a thread
+    for shape, want in ((full, True), (b.canonical_shape({"num_tokens": 1, "mhc_mult3": 80, "mhc_hidden": 32768}),
+                                        False)):
+        configs = list(b.configs(shape))
+        keyed = [tuple(sorted(c.items())) for c in configs]
+        assert len(keyed) == len(set(keyed))
+        mma = [c for c in configs if c["layout"] == "mma"]
+        assert bool(mma) == want
+        lanes = [{k: c[k] for k in ("threads", "vec", "tile")} for c in configs if c["layout"] == "lanes"]
+        assert len(lanes) == len({tuple(c.items()) for c in lanes})  # one lanes kernel per old config
+        for c in mma:
+            assert mod._smem_bytes(c) <= 160 * 1024
+            assert (c["block_tokens"] + mod.MMA_N) * c["block_k"] // (32 * c["warps"]) <= mod.REG_BOUND
+
+
+def test_backward_inputs_are_tf32_and_the_tolerance_holds_for_float32_sums():
+    """make_inputs draws mul_grad and fn as the op passes them (TF32), so a TF32 tensor-core product loses
+    nothing; a float32 evaluation in another order (torch's CPU GEMM) is within the spec's tolerance of the
+    float64 reference, while leaving out the 2 * x * sqrsum_grad term or truncating non-TF32 operands is not."""
+    b = tkjit.get_spec(BWD)
+    for n, seed in ((4001, 0), (8192, 1)):
+        shape = b.canonical_shape({"num_tokens": n, "mhc_mult3": 24, "mhc_hidden": 4096})
+        g, sg, x, fn, xg = b.make_inputs(shape, seed=seed)
+        assert torch.equal(tf32_round(g), g) and torch.equal(tf32_round(fn), fn)
+        want_x, want_p = b.reference(shape, g, sg, x, fn, xg)
+        per, xf = -(-n // shape["num_partials"]), x.float()
+        parts = torch.stack([g[p * per:(p + 1) * per].T @ xf[p * per:(p + 1) * per]
+                             for p in range(shape["num_partials"])])
+        got_x = (xg.float() + g @ fn + 2 * xf * sg[:, None]).to(torch.bfloat16)
+        assert b.tolerance.check("x_grad", got_x, want_x) is None
+        assert b.tolerance.check("fn_grad_partial", parts, want_p) is None
+        assert rel(parts, want_p) < 1e-6
+        assert b.tolerance.check("x_grad", (xg.float() + g @ fn).to(torch.bfloat16), want_x) is not None
+        rough = torch.randn(g.shape)  # not TF32: the tensor core would drop 13 bits of each operand
+        cut = (rough.view(torch.int32) & -0x2000).view(torch.float32)
+        assert b.tolerance.check("x_grad", (xg.float() + cut @ fn + 2 * xf * sg[:, None]).to(torch.bfloat16),
+                                 b.reference(shape, rough, sg, x, fn, xg)[0]) is not None
+
+
+@pytest.mark.parametrize("config", [BWD_MMA, {**BWD_MMA, "block_tokens": 32, "block_k": 64},
+                                    {**BWD_MMA, "warps": 8, "block_tokens": 64, "block_k": 64}], ids=str)
+def test_backward_mma_layout_compiles_to_tf32_tensor_core_gemms_for_sm90a(config):
+    k = tkjit.get(BWD, {"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384}, arch="sm_90a", config=config)
+    src = (k.path / "kernel.cu").read_text()
+    assert src.count("mma_sync<tl::DataType::kTensorFloat32") >= 2 and "cp_async" in src
+    usage = ptxas_usage(k.path / "kernel.cu")
+    assert usage["registers"] <= 255 and usage["spill"] == 0, usage
+
+
+def ptxas_usage(cu):
+    """ptxas -v's registers and spill bytes of a generated kernel, compiled as TileLang compiles it."""
+    import re
+    import subprocess
+
+    import tilelang
+
+    root = Path(tilelang.__file__).parent
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    r = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-o", "/dev/null", "-Xptxas", "-v", "-std=c++17", "-w",
+                        f"-I{root / 'src'}", f"-I{root / '3rdparty' / 'cutlass' / 'include'}", str(cu)],
+                       capture_output=True, text=True, check=True)
+    regs = [int(v) for v in re.findall(r"Used (\d+) registers", r.stderr)]
+    spill = [int(v) for v in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    return {"registers": max(regs), "spill": sum(spill)}
 
 
 def test_tf32_round_is_tile_kernels_rounding_then_truncation():

@@ -83,6 +83,43 @@ def test_mma_layout(config, n0, n1, m, h):
         assert check(kern, shape, seed=seed) is None
 
 
+BWD_MMA = {"layout": "mma", "threads": 128, "vec": 1, "tile": 32, "warps": 4, "block_tokens": 64, "block_k": 128}
+
+
+def run_bwd(kern, shape, inputs):
+    """(x_grad, fn_grad_partial) of the backward kernel on copies of inputs (x_grad is updated in place)."""
+    from tkjit.testing import poisoned_outputs
+
+    args = [t.clone() for t in inputs]
+    outs = poisoned_outputs(kern, {"num_tokens": shape["num_tokens"]}, args[0].device)
+    kern(*args, out=outs)
+    torch.cuda.synchronize()
+    return args[4], outs[0]
+
+
+@pytest.mark.parametrize("config", [BWD_MMA, {**BWD_MMA, "block_tokens": 32, "block_k": 64},
+                                    {**BWD_MMA, "warps": 8, "block_tokens": 128, "block_k": 128},
+                                    {**BWD_MMA, "block_tokens": 128, "block_k": 128}], ids=str)
+@pytest.mark.parametrize("n0, n1, m, h", TK_SHAPES + [(1, 1, 4, 64), (1, 4001, 2, 128), (3, 33, 4, 256)], ids=str)
+def test_backward_mma_layout(config, n0, n1, m, h):
+    """The backward's TF32 tensor-core layout (never measured before this test ran): against the float64
+    reference at the spec's tolerance, and against the lanes layout (the same TF32 products: float32 sum
+    order apart). Token ranges that end mid-tile, tokens past num_tokens, partials with no tokens (1 token)."""
+    shape = {"num_tokens": n0 * n1, "mhc_mult3": m * (m + 2), "mhc_hidden": m * h}
+    spec = tkjit.get_spec(BWD)
+    full = spec.canonical_shape(shape)
+    if spec.constraint(full, config):
+        pytest.skip(spec.constraint(full, config))
+    kern = tkjit.get(BWD, shape, config=config)
+    for seed in (0, 1):
+        assert check(kern, shape, seed=seed) is None
+    inputs = spec.make_inputs(full, device="cuda", seed=2)
+    got_x, got_p = run_bwd(kern, full, inputs)
+    want_x, want_p = run_bwd(tkjit.get(BWD, shape), full, inputs)
+    assert rel(got_p, want_p) < 1e-5
+    assert spec.tolerance.check("x_grad", got_x.cpu(), want_x.cpu()) is None
+
+
 @pytest.mark.parametrize("weight", [False, True])
 @pytest.mark.parametrize("n0, n1, m, h", TK_SHAPES + ODD[1:], ids=str)
 def test_against_float64_and_tile_kernels(n0, n1, m, h, weight):
