@@ -113,6 +113,18 @@ def test_mma_layout_compiles_to_tf32_tensor_core_gemm_for_sm90a():
     assert "mma_sync<tl::DataType::kTensorFloat32" in src and "cp_async" in src
 
 
+def test_forward_inputs_hold_tf32_fn_as_the_op_passes_it():
+    """The mma layout's tensor cores drop fn's low 13 mantissa bits: make_inputs gives fn as the op does (TF32),
+    so the kernel's GEMM is the float32 sums the reference rounds once, for both layouts."""
+    spec = tkjit.get_spec(FWD)
+    shape = spec.canonical_shape({"num_tokens": 5, "mhc_mult3": 24, "mhc_hidden": 256})
+    for seed in (0, 1):
+        x, fn = spec.make_inputs(shape, seed=seed)
+        assert x.dtype == torch.bfloat16 and fn.dtype == torch.float32
+        assert torch.equal(fn, tf32_round(fn)) and (fn.view(torch.int32) & 0x1FFF).eq(0).all()
+        assert fn.abs().gt(0).all()
+
+
 def test_backward_mma_layout_space_and_constraints():
     """The backward's tensor-core layout: its configs exist only where mhc_mult3 <= 32 and block_k divides K,
     each layout's unused keys take one value (no duplicate kernels), shared memory and registers bounded."""
