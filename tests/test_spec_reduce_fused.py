@@ -31,6 +31,9 @@ VARIANTS = [  # (in_dtype, e4m3_out, has_weights, has_x_sf, has_sf)
     ("bfloat16", True, True, True, True),
     ("float32", True, False, False, True),
     ("bfloat16", True, True, False, False),
+    ("float16", False, True, False, False),
+    ("float8_e4m3fn", False, True, True, False),  # an e4m3 QuantTensor: e4m3 out (saturating) without fp8_format
+    ("float8_e4m3fn", True, False, True, True),
 ]
 
 
@@ -67,8 +70,8 @@ def test_variants_take_their_inputs(spec):
 def test_bad_shapes_and_configs(spec):
     with pytest.raises(ShapeError, match="has_sf needs e4m3_out"):
         spec.canonical_shape(_shape(v=("bfloat16", False, True, False, True)))
-    with pytest.raises(ShapeError, match="'in_dtype'='float16' not allowed"):
-        spec.canonical_shape(_shape(v=("float16", False, True, False, False)))
+    with pytest.raises(ShapeError, match="'in_dtype'='float64' not allowed"):
+        spec.canonical_shape(_shape(v=("float64", False, True, False, False)))
     full = spec.canonical_shape(_shape())
     with pytest.raises(ConfigError, match="CUDA targets only"):
         spec.check_config(full, spec.default_config(full), "cpu")
@@ -129,7 +132,7 @@ def _naive(shape, x, w, pos, sf, x_sf):
         out[t] = torch.tensor(acc, dtype=torch.float32)
     if sf is not None:
         out = out * sf[0]
-    if shape["e4m3_out"]:
+    if mod.out_dtype(shape) == "float8_e4m3fn":
         out = out.clamp(-448, 448)
     return out.to(getattr(torch, mod.out_dtype(shape)))
 
@@ -166,6 +169,15 @@ def test_compiles_for_sm90a(cache_dir):
     src = (k.path / "kernel.cu").read_text()
     assert "__fmaf_rn(" in src and "*(uint4*)(xs" in src  # a real FMA; 16-byte loads
     assert "(int64_t)pos) * (int64_t)7168" in src
+
+
+@pytest.mark.slow
+def test_e4m3_input_compiles_for_sm90a(cache_dir):
+    # An e4m3 QuantTensor (x, x_sf): 16 codes a 16-byte load, the e4m3 output in paired SATFINITE conversions.
+    k = tkjit.get(NAME, _shape(n=4001, p=40000, h=7168, k=8, v=("float8_e4m3fn", False, True, True, False)),
+                  arch="sm_90a")
+    src = (k.path / "kernel.cu").read_text()
+    assert "*(fp8_e4_16_t*)(xs" in src and "__nv_cvt_float2_to_fp8x2(" in src and "__fmaf_rn(" in src
 
 
 @pytest.mark.slow
@@ -221,7 +233,7 @@ def test_ops_match_reference_fake_and_out(reference_kernels, v):
     ref = spec.reference(s, *[t for t in (x, w, pos, sf, x_sf) if t is not None])
     got = tkjit.ops.reduce_fused(x, w, pos, fmt, sf, x_sf)
     assert got.dtype == ref.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
-    out = torch.full_like(ref, 3.0) if not fmt else torch.empty_like(ref)
+    out = torch.full_like(ref, 3.0) if ref.dtype != torch.float8_e4m3fn else torch.empty_like(ref)
     assert tkjit.ops.reduce_fused(x, w, pos, fmt, sf, x_sf, out=out) is out
     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
     with FakeTensorMode(allow_non_fake_inputs=True) as m:
@@ -286,8 +298,8 @@ def test_compat_argument_errors(reference_kernels):
         tk_moe.reduce_fused(x, w, pos, out=torch.empty(37, 256))
     with pytest.raises(TensorError, match="out has shape"):
         tk_moe.reduce_fused(x, w, pos, out=torch.empty(36, 256, dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="x of dtype torch.float16"):
-        tk_moe.reduce_fused(x.half(), w, pos)
+    with pytest.raises(NotImplementedError, match="x of dtype torch.float64"):
+        tk_moe.reduce_fused(x.double(), w, pos)
     spec = get_spec(NAME)
     s = spec.canonical_shape(_shape(h=256, v=VARIANTS[3]))
     x2, w2, pos2, fmt2, sf2, xsf2 = _op_args(VARIANTS[3])

@@ -606,7 +606,7 @@ def _reduce(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, config, ou
 
 
 def reduce_fused_impl(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, x_sf=None, config=None):
-    """(num_expanded_tokens, hidden) bf16/f32 -> (num_tokens, hidden) x's dtype or e4m3: each token's
+    """(num_expanded_tokens, hidden) bf16/f16/f32/e4m3 -> (num_tokens, hidden) x's dtype or e4m3: each token's
     valid rows summed in slot order, one FMA per slot (weight times x_sf[pos]), times sf, cast."""
     return _reduce(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, config, None)
 

@@ -1,9 +1,9 @@
 """reduce_fused: each token's rows of the fused (per-expert) layout summed back, weighted, bit-exactly.
 
-x (num_expanded_tokens, hidden) bfloat16/float32, token_topk_to_pos int32 (num_tokens, num_topk),
+x (num_expanded_tokens, hidden) bfloat16/float16/float32/float8_e4m3fn, token_topk_to_pos int32 (num_tokens, num_topk),
 optional topk_weights float32 (num_tokens, num_topk), x_sf float32 (num_expanded_tokens,) and sf
 float32 (1,) -> out (num_tokens, hidden) of x's dtype, or float8_e4m3fn (`e4m3_out`). TileKernels'
-`moe.reduce_fused`:
+`moe.reduce_fused`, which takes x of any float dtype (an e4m3 x with its per-row x_sf is a QuantTensor):
 
     acc = +0.0 (float32)
     for k in order, for each p = token_topk_to_pos[t, k] in [0, num_expanded_tokens):
@@ -11,9 +11,9 @@ float32 (1,) -> out (num_tokens, hidden) of x's dtype, or float8_e4m3fn (`e4m3_o
         acc = fma(float(x[p]), s, acc)            (one rounding: a fused multiply-add)
     out[t] = cast(acc * sf[0] when given, else acc)
 
--1 and any other out-of-range position is skipped (never read through). The e4m3 cast saturates
-to +-448 (NaN stays NaN), as TileKernels' kernel does (its torch reference's cast gives NaN beyond
-448). sf is only for the e4m3 output (TileKernels asserts it).
+-1 and any other out-of-range position is skipped (never read through). An e4m3 output (e4m3_out, or
+an e4m3 x without it) saturates to +-448 (NaN stays NaN), as TileKernels' kernel does (its torch
+reference's cast gives NaN beyond 448). sf is only for the e4m3 output (TileKernels asserts it).
 
 Layout (`_fused_rows`): a block handles `rows` tokens over one chunk of the hidden axis; each lane
 accumulates its `unroll` vectors in float32 registers over the token's slots (the slot's row
@@ -29,8 +29,8 @@ from tkjit_kernels.moe._fused_rows import SPACE, geometry, random_mapping
 from tkjit_kernels.moe._fused_rows import constraint as row_constraint
 from tkjit_kernels.moe._fused_rows import default as row_default
 
-IN_DTYPES = ("bfloat16", "float32")
-ELEM = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+IN_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 FP8_MAX = 448.0
 MAX_UNROLLED_K = 16  # more slots than this run as a loop
 
@@ -177,8 +177,10 @@ def make_inputs(shape, device="cpu", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     n, h, k, p = shape["num_tokens"], shape["hidden"], shape["num_topk"], shape["num_expanded_tokens"]
     x = torch.randn(p, h, generator=g) * torch.exp(torch.randn(p, 1, generator=g))
-    if shape["e4m3_out"] and seed % 2 == 1 and p:
+    if out_dtype(shape) == "float8_e4m3fn" and seed % 2 == 1 and p:
         x[torch.randint(0, p, (max(1, p // 16),), generator=g)] *= 300  # sums past 448: saturation
+    if shape["in_dtype"] == "float8_e4m3fn":
+        x = x.clamp(-FP8_MAX, FP8_MAX)  # (torch's cast gives NaN past 448)
     x = x.to(getattr(torch, shape["in_dtype"]))
     pos, _ = random_mapping(g, n, k, p, seed)
     w = torch.rand(n, k, generator=g) if shape["has_weights"] else None
@@ -217,7 +219,7 @@ def reference(shape, *inputs):
         acc = torch.where(ok[:, None], fma32(rows, s[:, None].expand_as(rows), acc), acc)
     if sf is not None:
         acc = acc * sf[0]
-    if shape["e4m3_out"]:
+    if out_dtype(shape) == "float8_e4m3fn":
         acc = torch.where(acc.isnan(), acc, acc.clamp(-FP8_MAX, FP8_MAX))
     return acc.to(getattr(torch, out_dtype(shape)))
 

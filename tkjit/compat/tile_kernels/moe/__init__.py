@@ -97,7 +97,8 @@ def reduce_fused(
     """Each token's rows of the fused layout summed back: out[t] = sum over valid k, in order, of
     fma(float(x[pos]), topk_weights[t, k] (or 1) * x_sf[pos] (when x is a QuantTensor), acc), times
     sf[0] when given, cast to x's dtype or e4m3 (fp8_format='e4m3', saturating). Bit-identical to
-    TileKernels. x (num_expanded_tokens, hidden) bfloat16/float32, hidden a multiple of 256."""
+    TileKernels. x (num_expanded_tokens, hidden) bfloat16/float16/float32/float8_e4m3fn (an e4m3 x gives an
+e4m3 output, saturating, with or without fp8_format), hidden a multiple of 256."""
     fn = "moe.reduce_fused"
     x_sf = None
     if isinstance(x, tuple):
@@ -130,8 +131,8 @@ def reduce_fused(
         tensor(fn, "out", out, (2,), (out_dtype,))
         if tuple(out.shape) != (num_tokens, hidden):
             raise TensorError(f"tile_kernels.{fn}: out has shape {tuple(out.shape)}, expected {(num_tokens, hidden)}")
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        raise missing(fn, FAMILY, f"x of dtype {x.dtype} (tkjit reduces bfloat16 and float32)")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        raise missing(fn, FAMILY, f"x of dtype {x.dtype} (tkjit reduces bfloat16, float16, float32 and float8_e4m3fn)")
     if num_tokens == 0:
         return out if out is not None else torch.empty((0, hidden), dtype=out_dtype, device=x.device)
     require_kernel(fn, FAMILY, "reduce_fused", {"hidden": hidden, "num_topk": num_topk},
