@@ -63,6 +63,25 @@ def test_other_scales_give_saturating_e2m1_codes(refs):
     assert torch.equal(q, _e2m1.pack(_e2m1.encode(y))) and (y.abs() > 6).any()
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+@pytest.mark.parametrize("hidden, group", [(640, 256), (512, 512), (576, 576), (640, 96)])
+def test_wider_groups_take_their_group_scale(refs, fmt, hidden, group):
+    # Groups wider than a kernel block (hidden itself, or 256 with a partial last group) reuse one scale
+    # across the group's blocks: the same values as the formula, channel by channel.
+    from tkjit_kernels.quant import _e2m1
+
+    x = _x(5, hidden, torch.float32, seed=group)
+    groups = -(-hidden // group)
+    sf = torch.rand(5, groups) * 0.02 + 1e-3
+    q = tk.quant.per_token_cast_with_precomputed_sf(x, fmt, group, sf)
+    y = x * (1 / sf).repeat_interleave(group, dim=1)[:, :hidden]
+    if fmt == "e4m3":
+        want = y.clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    else:
+        assert torch.equal(q, _e2m1.pack(_e2m1.encode(y)))
+
+
 @pytest.mark.parametrize("args, error, match", [
     (("e5m6", 128, torch.ones(4, 2)), ShapeError, "takes no precomputed sf"),
     (("e3m4", 128, torch.ones(4, 2)), ShapeError, "fmt must be one of"),

@@ -558,7 +558,8 @@ def per_token_cast_with_precomputed_sf(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """per_token_cast's values with the given scales sf: fp8 e4m3 of clamp(x * (1 / sf), -448, 448) (fmt 'e2m1':
-    the FP4 codes of x * (1 / sf), two per int8) per token and group of num_per_channels (32, 64 or 128) channels,
+    the FP4 codes of x * (1 / sf), two per int8) per token and group of num_per_channels (a multiple of 32; the last
+    group may be partial) channels,
     as TileKernels' cast-only kernel. sf is in the layout
     per_token_cast returns for the same flags: float32 (num_tokens, ceil(hidden / num_per_channels)) row-major,
     its TMA-aligned column-major view, or (use_packed_ue8m0) the packed UE8M0 int32 view. round_sf is unused (the
@@ -581,8 +582,8 @@ def per_token_cast_with_precomputed_sf(
     group = as_int(fn, "num_per_channels", num_per_channels)
     num_tokens, hidden = x.shape
     groups = -(-hidden // group) if group > 0 else 0
-    if group not in (32, 64, 128):
-        raise missing(fn, FAMILY, f"num_per_channels={group} (with precomputed scales tkjit takes 32, 64 and 128)")
+    if group <= 0 or group % 32:
+        raise missing(fn, FAMILY, f"num_per_channels={group} (with precomputed scales tkjit takes multiples of 32)")
     if use_packed_ue8m0:
         from tkjit_kernels.quant.cast_back import unpack_ue8m0
 
@@ -598,7 +599,10 @@ def per_token_cast_with_precomputed_sf(
                               f"ceil(hidden / num_per_channels)), got {tuple(sf.shape)}")
         if sf.stride(-1) != 1:  # the column-major view per_token_cast returns
             sf = sf.contiguous()
-    return ops.per_block_cast_with_sf(rows_aligned(x), sf, (1, group), fmt=fmt)
+    block = next(b for b in (128, 64, 32) if group % b == 0)
+    if block != group:  # a wider group (hidden, say): each block of `block` channels takes its group's scale
+        sf = sf[:, torch.arange(0, hidden, block, device=sf.device) // group]
+    return ops.per_block_cast_with_sf(rows_aligned(x), sf, (1, block), fmt=fmt)
 
 
 BLOCKS = (32, 128)  # TileKernels' per_block_cast block sizes, each way
