@@ -30,6 +30,8 @@
 #   fleet     # sinkhorn_fwd's 28-config study at 1M tokens: one worker from a cold cache (compiling), then one
 #             # worker and two workers sharing the study through SQLite on the one GPU (wall time; each config
 #             # measured once)
+#   warm      # a second exhaustive sinkhorn_bwd table (65536 tokens) and the warm-start replay on it, from the
+#             # committed 262144 table's fastest configs (issue: >= 2x fewer trials to come within 2%)
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -240,6 +242,17 @@ for s in optuna.get_all_study_summaries(st):
 PY
   } > "$OUT/fleet.txt" 2>&1
   cat "$OUT/fleet.txt"
+  ;;
+warm)
+  # the second exhaustive sinkhorn_bwd table (65536 tokens; the committed one is 262144) that the warm-start
+  # figure is replayed on: TPE on each table, cold and warm-started from the other's fastest configs
+  timeout "${WARM_TIMEOUT:-330}" python benchmarks/h200/scripts/sampler_eval.py --kernel sinkhorn_bwd \
+    --shape num_tokens=65536,n=4,repeat=10 --arch sm_90a --save-table "$OUT/sampler_table_bwd_65536.json" \
+    > "$OUT/sampler_bwd_65536.txt" 2>&1; echo "rc=$?" >> "$OUT/sampler_bwd_65536.txt"
+  t262=benchmarks/h200/2026-12-02_sampler_table_sinkhorn_bwd_262144.json
+  timeout 60 python benchmarks/h200/scripts/sampler_eval.py --table "$OUT/sampler_table_bwd_65536.json" \
+    --kernel sinkhorn_bwd --shape num_tokens=65536,n=4,repeat=10 --warm-from $t262 > "$OUT/warm_65536.txt" 2>&1
+  tail -3 "$OUT/sampler_bwd_65536.txt"; tail -1 "$OUT/warm_65536.txt"
   ;;
 final)  # what the two stages above left: the fixed autograd test, the rest of the files, launch floor
   timeout 60 $PYTEST tests/gpu/test_gpu_sinkhorn_bwd.py -k autograd > "$OUT/pytest_final.txt" 2>&1; echo "rc=$?" >> "$OUT/pytest_final.txt"
