@@ -448,3 +448,24 @@ def test_eager_sinkhorn_of_any_batch_shape_is_one_autograd_node():
     (gt,) = torch.autograd.grad(tkjit.ops.sinkhorn(xt), xt, g[0, :3])
     ft = xt.detach().contiguous().requires_grad_()
     assert _same(gt, torch.autograd.grad(tkjit.ops.sinkhorn(ft), ft, g[0, :3])[0])
+
+
+def test_eager_sinkhorn_without_a_gradient_skips_the_function(monkeypatch):
+    """Inference (an input without requires_grad, or under no_grad): the forward kernel alone, no autograd
+    Function (its apply and context cost several µs a call); the values are the differentiable path's."""
+    x = torch.randn(2, 3, 4, 4)
+    xg = x.clone().requires_grad_()
+    want = tkjit.ops.sinkhorn(xg).detach()
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran for a call without a gradient")
+
+    monkeypatch.setattr(tkjit.autograd.SinkhornFunction, "apply", refuse)
+    got = tkjit.ops.sinkhorn(x)
+    assert got.grad_fn is None and got.shape == x.shape and _same(got, want)
+    with torch.no_grad():
+        got = tkjit.ops.sinkhorn(xg)
+    assert got.grad_fn is None and not got.requires_grad and _same(got, want)
+    xt = x[0].transpose(1, 2)  # not contiguous, and (3, 4, 4): copied inside, same values
+    assert _same(tkjit.ops.sinkhorn(xt), tkjit.ops.sinkhorn(xt.contiguous()))
+    assert _same(tkjit.ops.sinkhorn(x[0, 0]), want[0, 0])  # one (n, n) matrix

@@ -23,6 +23,12 @@ from tkjit.torch_ops import encode_config
 _sinkhorn_fwd = torch.ops.tkjit.sinkhorn_fwd.default
 
 
+def _matrices(x: torch.Tensor) -> torch.Tensor:
+    """(..., n, n) as the kernels' contiguous (num_tokens, n, n): x itself where it already is."""
+    n = x.shape[-1]
+    return x if x.dim() == 3 and x.is_contiguous() else x.contiguous().view(-1, n, n)
+
+
 class SinkhornFunction(torch.autograd.Function):
     """Eager sinkhorn_fwd / sinkhorn_bwd on (num_tokens, n, n) float32 (see the module doc)."""
 
@@ -30,12 +36,11 @@ class SinkhornFunction(torch.autograd.Function):
     def forward(ctx, x, repeat, eps, fwd_config, bwd_config):
         # Any (..., n, n): flattened here, where autograd records nothing, rather than by views around
         # apply (each a node of its own that the backward pass walks: host time comparable to a kernel's).
-        shape, n = x.shape, x.shape[-1]
-        flat = x if x.dim() == 3 and x.is_contiguous() else x.contiguous().view(-1, n, n)
+        flat = _matrices(x)
         ctx.save_for_backward(flat)
         ctx.args = (repeat, eps, bwd_config)
         y = torch_ops.sinkhorn_fwd_impl(flat, repeat, eps, fwd_config)
-        return y if flat is x else y.view(shape)
+        return y if flat is x else y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -100,7 +105,13 @@ def sinkhorn(
         raise TensorError(f"sinkhorn: x must be float32, got {x.dtype}")
     args = (int(repeat), float(eps), encode_config(fwd_config), encode_config(bwd_config))
     if plain(x):  # any (..., n, n): the Function flattens it without autograd nodes of its own
-        return SinkhornFunction.apply(x, *args)
+        if x.requires_grad and torch.is_grad_enabled():
+            return SinkhornFunction.apply(x, *args)
+        # Nothing to differentiate (inference, no_grad): the forward kernel alone, without the Function's
+        # apply and context (several µs of host time a call, more than the kernel at small sizes).
+        flat = _matrices(x)
+        y = torch_ops.sinkhorn_fwd_impl(flat, *args[:3])
+        return y if flat is x else y.view(x.shape)
     n = x.shape[-1]
     return _sinkhorn_fwd(x.contiguous().view(-1, n, n), *args).view(x.shape)
 
