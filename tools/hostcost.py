@@ -7,7 +7,8 @@ For µs-sized kernels the host path is the whole cost in eager mode, so each fig
 per call over `--calls` calls (kernels queue asynchronously; one sync at the end), reported beside
 torch.topk's on the same host. Rows: the `tkjit.ops` function (eager fast path), the same op through
 the dispatcher (`torch.ops.tkjit`), a kernel object from `tkjit.get`, TileKernels where installed
-(skipped where not), and sinkhorn forward + backward under autograd at 4096 tokens. On a GPU, three
+(skipped where not), and sinkhorn forward + backward under autograd at 4096 tokens beside torch's own
+floor for one autograd.Function's forward and backward (an identity, no kernel). On a GPU, three
 rows bound the others: the kernel object into given outputs (no allocation), one `torch.empty`, and
 an empty kernel launched through the driver API with ctypes (the floor of a launch from Python).
 
@@ -114,7 +115,22 @@ def rows_for(dev: str) -> dict[str, Callable[[], object]]:
         y.backward(g)
 
     rows["tkjit.ops.sinkhorn fwd+bwd 4096 tokens"] = step
+
+    def floor_step():  # torch's own cost of one Function's forward and backward, no kernel: the step's floor
+        _Identity.apply(xs).backward(g)
+
+    rows["autograd floor: identity Function fwd+bwd 4096"] = floor_step
     return rows
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 def main() -> None:
@@ -128,9 +144,9 @@ def main() -> None:
     out = {name: per_call_us(fn, a.calls if "4096" not in name else max(1, a.calls // 10), sync)
            for name, fn in rows.items()}
     ref = out["torch.topk"]
-    print(f"{'call':44s} {'us/call':>8s} {'x torch.topk':>13s}")
+    print(f"{'call':48s} {'us/call':>8s} {'x torch.topk':>13s}")
     for name, us in out.items():
-        print(f"{name:44s} {us:8.2f} {us / ref:13.2f}")
+        print(f"{name:48s} {us:8.2f} {us / ref:13.2f}")
     ops = next(n for n in out if n.startswith("tkjit.ops.") and "sinkhorn" not in n)
     kernel = next(n for n in out if n.startswith("tkjit.get(") and "sinkhorn" not in n)
     checks = {
