@@ -79,7 +79,10 @@ def rows_for(dev: str) -> dict[str, Callable[[], object]]:
         given = given if isinstance(given, tuple) else (given,)
         rows["tkjit.get(topk_gate) kernel, out= given"] = lambda: k_topk(scores, out=given)
         rows["torch.empty (one output)"] = lambda: torch.empty(1, 8, device=dev)
-        rows["ctypes cuLaunchKernel, empty kernel"] = empty_launch()
+        try:  # a bound, not a target: a driver that refuses the PTX costs this row only
+            rows["ctypes cuLaunchKernel, empty kernel"] = empty_launch()
+        except (OSError, RuntimeError) as e:
+            print(f"empty-launch row skipped: {e}")
     else:  # topk_gate does not lower on the C target: transpose stands in as the second op
         xt = torch.randn(8, 64)
         k_t = tkjit.get("transpose", {"rows": 8, "cols": 64, "dtype": "float32"}, arch="cpu")
