@@ -112,8 +112,7 @@ def sinkhorn(
         flat = _matrices(x)
         y = torch_ops.sinkhorn_fwd_impl(flat, *args[:3])
         return y if flat is x else y.view(x.shape)
-    n = x.shape[-1]
-    return _sinkhorn_fwd(x.contiguous().view(-1, n, n), *args).view(x.shape)
+    return _sinkhorn_fwd(_matrices(x), *args).view(x.shape)
 
 
 # -- expand_to_mhc / pre_apply_mix ---------------------------------------------------------------------

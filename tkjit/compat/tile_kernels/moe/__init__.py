@@ -98,7 +98,7 @@ def reduce_fused(
     fma(float(x[pos]), topk_weights[t, k] (or 1) * x_sf[pos] (when x is a QuantTensor), acc), times
     sf[0] when given, cast to x's dtype or e4m3 (fp8_format='e4m3', saturating). Bit-identical to
     TileKernels. x (num_expanded_tokens, hidden) bfloat16/float16/float32/float8_e4m3fn (an e4m3 x gives an
-e4m3 output, saturating, with or without fp8_format), hidden a multiple of 256."""
+    e4m3 output, saturating, with or without fp8_format), hidden a multiple of 256."""
     fn = "moe.reduce_fused"
     x_sf = None
     if isinstance(x, tuple):
