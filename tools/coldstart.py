@@ -137,6 +137,15 @@ def compile_bytecode() -> None:
             compileall.compile_dir(path, quiet=1)
 
 
+def run_child(cmd: list[str]) -> str:
+    """Run one fresh process; its stdout, or SystemExit with the last lines of its stderr."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
+        raise SystemExit(f"coldstart: the fresh process failed (exit {proc.returncode}):\n{tail}")
+    return proc.stdout
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", default="topk_gate")
@@ -148,10 +157,10 @@ def main() -> int:
     shape = parse_shape(args.shape) if args.shape else DEFAULT_SHAPE
     child = [sys.executable, "-c", CHILD, args.kernel, json.dumps(shape), args.arch]
     compile_bytecode()
-    subprocess.run(child, check=True, capture_output=True)  # warm the cache (compiles if cold)
+    run_child(child)  # warm the cache (compiles if cold)
     runs = []
     for _ in range(args.runs):
-        out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
+        out = run_child(child)
         runs.append(json.loads(out.strip().splitlines()[-1]))
     keys = ["ctx_ms", "import_ms", "get_ms", "launch_ms", "tkjit_total_ms", "memo_us", "call_us", "call_out_us"]
     print(f"{args.kernel} {shape}: {args.runs} fresh processes (median), config from {runs[0]['source']}")
@@ -174,8 +183,7 @@ def main() -> int:
             for k in ("import_ms", "first_call_ms", "total_ms"):
                 print(f"  {k:15s} {statistics.median(r[k] for r in tk):8.2f}")
     if args.breakdown and args.arch != "cpu":  # the breakdown times the CUDA steps
-        out = subprocess.run([sys.executable, "-c", BREAKDOWN, args.kernel, json.dumps(shape), args.arch], check=True,
-                             capture_output=True, text=True).stdout
+        out = run_child([sys.executable, "-c", BREAKDOWN, args.kernel, json.dumps(shape), args.arch])
         print("breakdown of one fresh process (ms):")
         for k, v in json.loads(out.strip().splitlines()[-1]).items():
             print(f"  {k:36s} {v:8.2f}")
