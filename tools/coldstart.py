@@ -137,6 +137,19 @@ def compile_bytecode() -> None:
             compileall.compile_dir(path, quiet=1)
 
 
+def import_profile(top: int = 10) -> list[tuple[str, float, float]]:
+    """`import tkjit` in a fresh process after `import torch`, under -X importtime: the `top` modules it
+    imported by cumulative time, as (module, self ms, cumulative ms)."""
+    code = "import torch, sys; sys.stderr.write('--- tkjit\\n'); import tkjit"
+    err = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True).stderr
+    rows = []
+    for line in err.split("--- tkjit\n", 1)[-1].splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[0].strip().isdigit():
+            rows.append((parts[2].strip(), int(parts[0]) / 1e3, int(parts[1]) / 1e3))
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
 def run_child(cmd: list[str]) -> str:
     """Run one fresh process; its stdout, or SystemExit with the last lines of its stderr."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -182,6 +195,10 @@ def main() -> int:
             print(f"TileKernels topk_gate, {args.runs} fresh processes (median, after CUDA init):")
             for k in ("import_ms", "first_call_ms", "total_ms"):
                 print(f"  {k:15s} {statistics.median(r[k] for r in tk):8.2f}")
+    if args.breakdown:
+        print("import tkjit after import torch, -X importtime (ms; the slowest by cumulative time):")
+        for mod, self_ms, cum_ms in import_profile():
+            print(f"  {mod:36s} self {self_ms:7.2f}  cumulative {cum_ms:7.2f}")
     if args.breakdown and args.arch != "cpu":  # the breakdown times the CUDA steps
         out = run_child([sys.executable, "-c", BREAKDOWN, args.kernel, json.dumps(shape), args.arch])
         print("breakdown of one fresh process (ms):")
