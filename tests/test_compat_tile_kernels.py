@@ -385,6 +385,19 @@ def test_sinkhorn_normalize_takes_a_non_contiguous_x_and_positional_args():
     assert y.is_contiguous() and y.shape == x.shape
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compat_ops_trace_in_one_graph(dynamic):
+    # The compat layer's shape checks run at trace time (a constant of the graph): a compat op compiles with
+    # fullgraph=True, static or dynamic shapes, and a size tkjit lacks is still named as NotImplementedError.
+    f = torch.compile(lambda x: tk.modeling.mhc.ops.sinkhorn_normalize(x, 10, 1e-6) * 2, fullgraph=True,
+                      backend="aot_eager", dynamic=dynamic)
+    for shape in ((3, 4, 4), (5, 4, 4), (2, 2, 2)):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
+        torch.testing.assert_close(f(x), _sinkhorn_ref(x) * 2, rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match=r"sinkhorn_normalize: n \(x.shape\[-1\]\)=33 .* not supported by tkjit"):
+        f(torch.randn(2, 33, 33))
+
+
 def _tk_transpose_expect(x):
     return x.transpose(-1, -2).contiguous()
 

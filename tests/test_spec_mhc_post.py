@@ -403,6 +403,26 @@ def test_compat_fwd_out_and_bwd_fuse_grad_acc(reference_kernels):
     assert r.untyped_storage().grad_from_mhc_post.data_ptr() == r.grad.data_ptr()
 
 
+def test_compat_out_under_torch_compile(reference_kernels):
+    # Under torch.compile the compat op is tkjit's custom op: out= is filled and returned, and the gradients
+    # flow through it as in eager code (where TileKernels' Function returns out).
+    x, res, post, comb, d_o = _tk_data(2, 5, 64, 4)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(a, b, c, d, o):
+        return tk.modeling.mhc.ops.mhc_post(a, b, c, d, out=o)
+
+    leaves = [t.clone().requires_grad_() for t in (x, res, post, comb)]
+    out = torch.zeros_like(res)
+    y = f(*leaves, out)
+    assert torch.equal(out, forward(x, res, post, comb).bfloat16()) and torch.equal(y, out)
+    y.backward(d_o)
+    for got, want in zip((t.grad for t in leaves), _float64_grads(x, res, post, comb, d_o)):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="out must be a contiguous"):  # (fullgraph wraps it in dynamo's error)
+        f(x, res, post, comb, torch.empty(2, 5, 64, 4, dtype=torch.bfloat16).transpose(2, 3))
+
+
 def test_compat_empty_batch(reference_kernels):
     x, res, post, comb, d_o = _tk_data(0, 4, 64, 4)
     out = tk.modeling.mhc.ops.mhc_post_fwd(x, res, post, comb)

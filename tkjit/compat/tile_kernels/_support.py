@@ -93,6 +93,25 @@ def _unsupported(kernel: str, items: tuple[tuple[str, Any], ...]) -> tuple[str, 
     return None
 
 
+def _runtime_problem(kernel: str, runtime: Mapping[str, int]) -> tuple[str, str] | None:
+    """(size, reason) for the first runtime size `kernel`'s spec refuses (not cached: they vary call to call)."""
+    from tkjit.registry import get_spec
+
+    params = {p.name: p for p in get_spec(kernel).runtime_params}
+    for name, value in runtime.items():
+        try:
+            params[name].check(value)
+        except ShapeError as e:
+            return name, str(e)
+    return None
+
+
+# Under torch.compile the static check runs once, while tracing, and its answer is a constant of the graph
+# (the spec registry's lock and cache are not traceable, and need not be: the answer depends on Python
+# values only).
+_unsupported_at_trace = torch.compiler.assume_constant_result(lambda kernel, items: _unsupported(kernel, items))
+
+
 def require_kernel(
     fn: str,
     family: str,
@@ -104,25 +123,23 @@ def require_kernel(
     """NotImplementedError when tkjit's `kernel` spec does not take `shape` (its static params, checked
     against the spec itself, so a widened spec widens the compat layer with it) or the `runtime` sizes.
     names: spec param -> the TileKernels argument it comes from, for the message."""
-    problem = _unsupported(kernel, tuple(sorted(shape.items())))
-    values = dict(shape)
-    if problem is None and runtime:
-        from tkjit.registry import get_spec
-
-        params = {p.name: p for p in get_spec(kernel).runtime_params}
-        for name, value in runtime.items():
-            try:
-                params[name].check(value)
-            except ShapeError as e:
-                problem, values = (name, str(e)), {**values, **runtime}
-                break
+    if torch.compiler.is_compiling():
+        # Traced: the static values as constants (operator.index specialises a symbolic size: the kernel is
+        # built for one value anyway); the runtime sizes stay symbolic, left to the op's own checks.
+        items = tuple((k, operator.index(v) if isinstance(v, int) else v) for k, v in shape.items())
+        problem, values = _unsupported_at_trace(kernel, items), dict(items)
+    else:
+        items = tuple(shape.items())  # (a caller's dict literal keeps one order: one cache entry a shape)
+        problem, values = _unsupported(kernel, items), {**shape, **(runtime or {})}
+        if problem is None and runtime:
+            problem = _runtime_problem(kernel, runtime)
     if problem is None:
         return
     param, reason = problem
     if param:
         what = f"{names.get(param, param)}={brief(values[param])}"
     else:
-        what = ", ".join(f"{names.get(k, k)}={brief(v)}" for k, v in shape.items())
+        what = ", ".join(f"{names.get(k, k)}={brief(values[k])}" for k in shape)
     raise missing(fn, family, f"{what} ({reason})")
 
 

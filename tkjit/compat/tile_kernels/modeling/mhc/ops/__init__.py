@@ -12,7 +12,7 @@ import torch
 
 from tkjit import ops
 from tkjit.autograd import plain
-from tkjit.compat.tile_kernels._support import as_float, as_int, missing, require_kernel, rows_aligned, tensor
+from tkjit.compat.tile_kernels._support import as_float, as_int, require_kernel, rows_aligned, tensor
 from tkjit.errors import ShapeError, TensorError
 
 FAMILY = "mhc"
@@ -237,6 +237,14 @@ class _MHCPost(torch.autograd.Function):
         return (*mhc_post_bwd(*ctx.saved_tensors, d_o.to(torch.bfloat16)), None)
 
 
+def _check_out(fn: str, out: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """mhc_post's out=: bf16, residual's shape, contiguous (TileKernels' kernel writes it as such)."""
+    tensor(fn, "out", out, (4,), (torch.bfloat16,))
+    if tuple(out.shape) != shape or not out.is_contiguous():
+        raise TensorError(f"tile_kernels.{fn}: out must be a contiguous {shape} tensor, got shape "
+                          f"{tuple(out.shape)} strides {out.stride()}")
+
+
 def mhc_post(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -251,7 +259,8 @@ def mhc_post(
     Its backward is mhc_post_bwd with fuse_grad_acc=True, as TileKernels': grad_residual is also left on
     residual's storage (`grad_from_mhc_post`) for the mHC ops before it to accumulate into. Under
     torch.compile (or for FakeTensor inputs) it is tkjit's custom op instead (`tkjit.ops.mhc_post`), which
-    returns the same gradients without that attribute, and out= is refused there. Not bit-identical to
+    returns the same gradients without that attribute; out= is then filled by a copy (out itself is returned,
+    its gradient flowing to the inputs as in eager code). Not bit-identical to
     TileKernels' kernels in the float32 gradients (another summation order over hidden).
     """
     fn = "modeling.mhc.ops.mhc_post"
@@ -259,9 +268,11 @@ def mhc_post(
     tensors = (x, residual, post_layer_mix, comb_res_mix)
     if all(plain(t) for t in tensors) and (out is None or plain(out)):
         return _MHCPost.apply(*tensors, out)
-    if out is not None:
-        raise missing(fn, FAMILY, "out= under torch.compile or with FakeTensor / subclass tensors")
-    return ops.mhc_post(*tensors)
+    y = ops.mhc_post(*tensors)
+    if out is None:
+        return y
+    _check_out(fn, out, tuple(residual.shape))
+    return out.copy_(y)  # out itself, its gradient y's (functionalized under torch.compile)
 
 
 def mhc_post_bwd(
@@ -307,10 +318,7 @@ def mhc_post_fwd(
     if out is None:
         out = torch.empty((n0, n1, m, h), dtype=torch.bfloat16, device=residual.device)
     else:
-        tensor(fn, "out", out, (4,), (torch.bfloat16,))
-        if tuple(out.shape) != (n0, n1, m, h) or not out.is_contiguous():
-            raise TensorError(f"tile_kernels.{fn}: out must be a contiguous {(n0, n1, m, h)} tensor, got shape "
-                              f"{tuple(out.shape)} strides {out.stride()}")
+        _check_out(fn, out, (n0, n1, m, h))
     n = n0 * n1
     with torch.no_grad():
         ops.mhc_post_fwd(_flat(x, n, h), _flat(residual, n, m, h), _flat(post_layer_mix, n, m),
