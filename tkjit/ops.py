@@ -536,7 +536,9 @@ def mhc_post_fwd(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.
     if out is not None:
         if _grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
             raise TensorError("mhc_post_fwd: out= is not differentiable (an input requires grad); call it without out")
-        return torch_ops.mhc_post_fwd_into(*tensors, encode_config(config), out=out)
+        if _eager(*tensors, out):
+            return torch_ops.mhc_post_fwd_into(*tensors, encode_config(config), out=out)
+        return out.copy_(mhc_post_flat(*tensors, config))  # traced: the op, then a copy the graph may fuse
     if _eager(*tensors):
         return torch_ops.mhc_post_fwd_impl(*tensors, encode_config(config))
     return mhc_post_flat(*tensors, config)

@@ -148,6 +148,13 @@ def require_kernel(
 ROW_ALIGN_BYTES = 32
 
 
+def off_alignment(x: torch.Tensor, align: int) -> bool:
+    """Whether x's data pointer is off an `align`-byte boundary. Traced (torch.compile), a tensor has no address:
+    False, and a view off the boundary (a slice into a row) is refused by the kernel at run time, naming it,
+    rather than copied."""
+    return not torch.compiler.is_compiling() and x.data_ptr() % align != 0
+
+
 def rows_aligned(x: torch.Tensor) -> torch.Tensor:
     """x itself when tkjit's kernels can read it in place, else a contiguous copy.
 
@@ -161,6 +168,6 @@ def rows_aligned(x: torch.Tensor) -> torch.Tensor:
     eb = x.element_size()
     # A contiguous x's rows are as aligned as its start: the kernels narrow their loads to the row width.
     leading = () if x.is_contiguous() else [s for s, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1]
-    if x.data_ptr() % ROW_ALIGN_BYTES or any(s * eb % ROW_ALIGN_BYTES for s in leading):
+    if off_alignment(x, ROW_ALIGN_BYTES) or any(s * eb % ROW_ALIGN_BYTES for s in leading):
         return x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
     return x

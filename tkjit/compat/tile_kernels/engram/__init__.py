@@ -7,7 +7,7 @@ import torch
 
 from tkjit import ops
 from tkjit.compat.tile_kernels import config
-from tkjit.compat.tile_kernels._support import as_float, missing, require_kernel, rows_aligned, tensor
+from tkjit.compat.tile_kernels._support import as_float, missing, off_alignment, require_kernel, rows_aligned, tensor
 from tkjit.errors import ShapeError, TensorError
 
 FAMILY = "engram"
@@ -163,7 +163,7 @@ def grad_w_reduce(
                     "num_partials": "num_persistent_blocks (grad_w_partial.shape[0])"})
     # The gradients are updated in place: a buffer the kernel cannot write in place (not contiguous, or not
     # on a 16-byte boundary) is accumulated in a contiguous copy and copied back.
-    outs = [g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.contiguous().clone()
+    outs = [g if g.is_contiguous() and not off_alignment(g, 16) else g.contiguous().clone()
             for g in (grad_weight_hidden, grad_weight_embed)]
     ops.grad_w_reduce(rows_aligned(grad_w_partial.contiguous()), rows_aligned(weight_hidden.contiguous()),
                       rows_aligned(weight_embed.contiguous()), *outs)

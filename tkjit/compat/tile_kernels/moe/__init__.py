@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tkjit import ops
-from tkjit.compat.tile_kernels._support import as_int, missing, require_kernel, rows_aligned, tensor
+from tkjit.compat.tile_kernels._support import as_int, missing, off_alignment, require_kernel, rows_aligned, tensor
 from tkjit.compat.tile_kernels.quant.types import QuantTensor
 from tkjit.errors import ShapeError, TensorError
 from tkjit.torch_ops import tp_scalars
@@ -248,7 +248,7 @@ def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -
     require_kernel(fn, FAMILY, "inplace_unique_group_indices", {"num_topk": num_topk, "num_groups": groups},
                    {"num_topk": "num_topk (group_indices.shape[1])", "num_groups": "num_groups",
                     "num_tokens": "num_tokens"}, {"num_tokens": num_tokens})
-    if group_indices.data_ptr() % 16:  # a view the kernel's 16-byte accesses cannot take in place
+    if off_alignment(group_indices, 16):  # a view the kernel's 16-byte accesses cannot take in place
         work = group_indices.clone()
         ops.inplace_unique_group_indices(work, groups)
         group_indices.copy_(work)
