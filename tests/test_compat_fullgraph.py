@@ -19,6 +19,9 @@ pytestmark = pytest.mark.usefixtures("module_cache")
 
 @pytest.fixture
 def refs(monkeypatch):
+    from tkjit.compat.tile_kernels import config
+
+    monkeypatch.setattr(config, "_num_sms", 8)  # set_num_sms(8) on a host without a GPU, undone after the test
     return serve_references(monkeypatch, {s.name for s in all_specs()})
 
 
@@ -31,6 +34,53 @@ def _engram_gate_inputs():
     shape = spec.canonical_shape({"num_tokens": 16, "hc_mult": 4, "hidden_size": 512, "eps": 1e-5,
                                   "clamp_value": 1e-3})
     return (*spec.make_inputs(shape, seed=1), 1e-5, 1e-3)
+
+
+def _engram_bwd_inputs():
+    spec = get_spec("engram_gate_bwd")
+    shape = spec.canonical_shape({"num_tokens": 16, "hc_mult": 4, "hidden_size": 1024,
+                                  "num_partials": tk.get_num_sms()})
+    return (*spec.make_inputs(shape, seed=2), 1e-6)
+
+
+def _grad_w_reduce(*args):  # in place: the two updated gradients are the result
+    tk.engram.grad_w_reduce(*args)
+    return args[3], args[4]
+
+
+def _grad_w_reduce_inputs():
+    spec = get_spec("grad_w_reduce")
+    return spec.make_inputs(spec.canonical_shape({"hc_mult": 4, "hidden_size": 512, "num_partials": 8}), seed=3)
+
+
+def _recompute(*args):  # in place: the layer inputs and residuals are the result
+    tk.modeling.mhc.ops.mhc_multilayer_recompute(*args)
+    return args[5], args[6]
+
+
+def _recompute_inputs(L=3, P=2, m=4, h=64):
+    ir = bf(1, 6, m, h)
+    pre = [torch.randn(1, 6, m, 1) for _ in range(L)]
+    lo, post = [bf(1, 6, h) for _ in range(P)], [torch.randn(1, 6, m, 1) for _ in range(P)]
+    comb = [torch.randn(1, 6, m, m) for _ in range(P)]
+    li = [torch.empty(1, 6, h, dtype=torch.bfloat16) for _ in range(L)]
+    res = [torch.empty(1, 6, m, h, dtype=torch.bfloat16) for _ in range(P)]
+    return ir, pre, lo, post, comb, li, res
+
+
+def _lossless_inputs():
+    spec = get_spec("per_block_cast_lossless")
+    shape = spec.canonical_shape({"num_tokens": 64, "hidden": 256, "in_block_m": 1, "in_block_k": 32,
+                                  "out_block_m": 32, "out_block_k": 128})
+    return tuple(spec.make_inputs(shape, "cpu", 4)), "e4m3", (1, 32), (32, 128)
+
+
+def _swiglu_bwd_inputs():
+    spec = get_spec("swiglu_backward_and_per_token_cast")
+    shape = spec.canonical_shape({"num_expand_tokens": 64, "num_tokens": 20, "num_topk": 4, "hidden": 256,
+                                  "num_per_channels": 128})
+    x, x_sf, grad, weight, pos, t2p, _ = spec.make_inputs(shape, "cpu", 5)
+    return (x, x_sf), grad, weight, pos, t2p, 128
 
 
 def _unique(g: torch.Tensor, n: int) -> torch.Tensor:  # in place: the updated tensor is the result
@@ -78,6 +128,9 @@ CASES = {  # compat function (its name) -> a call's arguments
                                                         (bf(7, 512), "e4m3", 128)),
     "quant.swiglu_forward_and_per_channel_cast_and_transpose": lambda: (
         tk.quant.swiglu_forward_and_per_channel_cast_and_transpose, (bf(128, 512), "e4m3", 128)),
+    "quant.per_block_cast_lossless": lambda: (tk.quant.per_block_cast_lossless, _lossless_inputs()),
+    "quant.swiglu_backward_and_per_token_cast": lambda: (tk.quant.swiglu_backward_and_per_token_cast,
+                                                         _swiglu_bwd_inputs()),
     "quant.unpack_from_e2m1fn_x2": lambda: (tk.quant.unpack_from_e2m1fn_x2,
                                             (torch.randint(-128, 127, (16, 16), dtype=torch.int8),)),
     "transpose.transpose": lambda: (tk.transpose.transpose, (bf(64, 128),)),
@@ -87,6 +140,9 @@ CASES = {  # compat function (its name) -> a call's arguments
         torch.randint(0, 1000, (7, 3), dtype=torch.int32), torch.randint(1, 100, (2, 3), dtype=torch.int64),
         torch.randint(100, 1000, (2, 2, 4), dtype=torch.int32), torch.randint(0, 100, (2, 8), dtype=torch.int32))),
     "engram.engram_gate_fwd": lambda: (tk.engram.engram_gate_fwd, _engram_gate_inputs()),
+    "engram.engram_gate_bwd": lambda: (tk.engram.engram_gate_bwd, _engram_bwd_inputs()),
+    "engram.grad_w_reduce": lambda: (_grad_w_reduce, _grad_w_reduce_inputs()),
+    "modeling.mhc.ops.mhc_multilayer_recompute": lambda: (_recompute, _recompute_inputs()),
     "modeling.mhc.ops.sinkhorn_normalize": lambda: (mhc.sinkhorn_normalize, (torch.randn(2, 3, 4, 4),)),
     "modeling.mhc.ops.expand_to_mhc": lambda: (mhc.expand_to_mhc, (bf(2, 3, 64), 4)),
     "modeling.mhc.ops.mhc_pre_apply_mix": lambda: (mhc.mhc_pre_apply_mix, (bf(2, 3, 4, 64), torch.rand(2, 3, 4, 1))),
@@ -109,20 +165,20 @@ CASES = {  # compat function (its name) -> a call's arguments
 }
 
 
-# Not traced here yet: their inputs are other ops' outputs in TileKernels' own layouts (FP4 re-blocking, the
-# SwiGLU and Engram backward passes, per-layer lists); their own tests trace the tkjit ops they call.
-NOT_HERE = {"quant.per_block_cast_lossless", "quant.swiglu_backward_and_per_token_cast", "engram.engram_gate_bwd",
-            "engram.grad_w_reduce", "modeling.mhc.ops.mhc_multilayer_recompute"}
-
-
-def test_every_compat_function_is_traced_here_or_named():
+def test_every_compat_function_is_traced_here():
     import inspect
 
     mods = {"moe": tk.moe, "quant": tk.quant, "transpose": tk.transpose, "engram": tk.engram,
             "modeling.mhc.ops": tk.modeling.mhc.ops}
     public = {f"{m}.{n}" for m, mod in mods.items() for n in getattr(mod, "__all__", dir(mod))
               if not n.startswith("_") and inspect.isfunction(getattr(mod, n))}
-    assert public - NOT_HERE == set(CASES)
+    assert public == set(CASES)
+
+
+def _copy(a):
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    return type(a)(_copy(t) for t in a) if isinstance(a, (list, tuple)) else a
 
 
 def _flat(x):
@@ -137,7 +193,7 @@ def test_compat_op_traces_in_one_graph(refs, name):
     torch._dynamo.reset()  # (one lambda compiled for every op: a fresh cache each, no recompile limit)
     torch.manual_seed(0)
     fn, args = CASES[name]()
-    clone = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # (in-place ops change their inputs)
+    clone = [_copy(a) for a in args]  # (in-place ops change their inputs)
     want = fn(*clone)
     got = torch.compile(lambda *a: fn(*a), fullgraph=True, backend="aot_eager")(*args)
     got, want = _flat(got), _flat(want)
