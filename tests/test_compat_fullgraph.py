@@ -188,14 +188,15 @@ def _flat(x):
     return [x]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_compat_op_traces_in_one_graph(refs, name):
+def test_compat_op_traces_in_one_graph(refs, name, dynamic):
     torch._dynamo.reset()  # (one lambda compiled for every op: a fresh cache each, no recompile limit)
     torch.manual_seed(0)
     fn, args = CASES[name]()
     clone = [_copy(a) for a in args]  # (in-place ops change their inputs)
     want = fn(*clone)
-    got = torch.compile(lambda *a: fn(*a), fullgraph=True, backend="aot_eager")(*args)
+    got = torch.compile(lambda *a: fn(*a), fullgraph=True, backend="aot_eager", dynamic=dynamic)(*args)
     got, want = _flat(got), _flat(want)
     assert len(got) == len(want)
     for a, b in zip(got, want):

@@ -112,6 +112,15 @@ def _runtime_problem(kernel: str, runtime: Mapping[str, int]) -> tuple[str, str]
 _unsupported_at_trace = torch.compiler.assume_constant_result(lambda kernel, items: _unsupported(kernel, items))
 
 
+def _constant(v: Any) -> Any:
+    """A static param's value as a Python constant while tracing (see require_kernel)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int):
+        return operator.index(v)
+    return v.__float__() if isinstance(v, float) else v
+
+
 def require_kernel(
     fn: str,
     family: str,
@@ -124,9 +133,10 @@ def require_kernel(
     against the spec itself, so a widened spec widens the compat layer with it) or the `runtime` sizes.
     names: spec param -> the TileKernels argument it comes from, for the message."""
     if torch.compiler.is_compiling():
-        # Traced: the static values as constants (operator.index specialises a symbolic size: the kernel is
-        # built for one value anyway); the runtime sizes stay symbolic, left to the op's own checks.
-        items = tuple((k, operator.index(v) if isinstance(v, int) else v) for k, v in shape.items())
+        # Traced: the static values as constants (operator.index and __float__ specialise a symbolic size or
+        # scalar, guarded: the kernel is built for one value anyway); the runtime sizes stay symbolic, left to
+        # the op's own checks.
+        items = tuple((k, _constant(v)) for k, v in shape.items())
         problem, values = _unsupported_at_trace(kernel, items), dict(items)
     else:
         items = tuple(shape.items())  # (a caller's dict literal keeps one order: one cache entry a shape)
