@@ -206,3 +206,26 @@ def test_compat_op_traces_in_one_graph(refs, name, dynamic):
                                b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
         else:
             assert a == b
+
+
+@pytest.mark.filterwarnings("error")  # (reading a FakeTensor's data pointer warns)
+@pytest.mark.parametrize("name", list(CASES))
+def test_compat_op_on_fake_tensors_gives_the_eager_layout(refs, name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    fn, args = CASES[name]()
+    want = _flat(fn(*[_copy(a) for a in args]))
+    with FakeTensorMode() as mode:
+        def fake(a):
+            if isinstance(a, torch.Tensor):
+                return mode.from_tensor(a)
+            return type(a)(fake(t) for t in a) if isinstance(a, (list, tuple)) else a
+
+        got = _flat(fn(*[fake(a) for a in args]))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if isinstance(a, torch.Tensor):
+            assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+        elif not isinstance(b, torch.Tensor):
+            assert a == b or name == "moe.get_fused_mapping"  # (its counts list is read off the device)

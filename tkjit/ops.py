@@ -1048,9 +1048,9 @@ STACK_ALIGN = 16  # bytes: the widest vector access of the kernel
 
 
 def is_storage_of(items: list[torch.Tensor], stacked: torch.Tensor) -> bool:
-    """Whether `stacked` is the items' own storage (their consecutive slices), not a copy (traced: never, as
-    stacked_layers then always copies)."""
-    if torch.compiler.is_compiling():
+    """Whether `stacked` is the items' own storage (their consecutive slices), not a copy (traced, or fake
+    tensors: never, as stacked_layers then always copies)."""
+    if not plain(stacked):
         return False
     return bool(items) and stacked.data_ptr() == items[0].data_ptr() and stacked.untyped_storage().data_ptr() == \
         items[0].untyped_storage().data_ptr()
@@ -1060,13 +1060,12 @@ def stacked_layers(items: list[torch.Tensor], shape: tuple, dtype: torch.dtype, 
                    read: bool = True) -> torch.Tensor:
     """The items (each `shape`'s element count) as one contiguous (len(items), *shape) tensor: a view of their
     storage when they are consecutive contiguous slices of one buffer, starting on a 16-byte boundary;
-    else a stacked copy (read) or a fresh buffer for the results (not read). Traced (torch.compile), tensors
-    have no addresses: always the copy or the fresh buffer."""
+    else a stacked copy (read) or a fresh buffer for the results (not read). Traced (torch.compile) or fake,
+    tensors have no addresses: always the copy or the fresh buffer."""
     k, numel = len(items), 1
     for s in shape:
         numel *= s
-    traced = torch.compiler.is_compiling()
-    if k and not traced and all(t.is_contiguous() for t in items) and items[0].data_ptr() % STACK_ALIGN == 0:
+    if k and all(plain(t) and t.is_contiguous() for t in items) and items[0].data_ptr() % STACK_ALIGN == 0:
         base, step = items[0].data_ptr(), numel * items[0].element_size()
         storage = items[0].untyped_storage().data_ptr()
         if all(t.data_ptr() == base + i * step and t.untyped_storage().data_ptr() == storage

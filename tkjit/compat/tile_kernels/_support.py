@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tkjit.autograd import plain
 from tkjit.errors import ShapeError, TensorError, brief
 
 PACKAGE = "tile_kernels"
@@ -159,10 +160,10 @@ ROW_ALIGN_BYTES = 32
 
 
 def off_alignment(x: torch.Tensor, align: int) -> bool:
-    """Whether x's data pointer is off an `align`-byte boundary. Traced (torch.compile), a tensor has no address:
-    False, and a view off the boundary (a slice into a row) is refused by the kernel at run time, naming it,
-    rather than copied."""
-    return not torch.compiler.is_compiling() and x.data_ptr() % align != 0
+    """Whether x's data pointer is off an `align`-byte boundary. Traced (torch.compile), or a FakeTensor, meta
+    tensor or subclass, a tensor has no address: False, and a view off the boundary (a slice into a row) is
+    refused by the kernel at run time, naming it, rather than copied."""
+    return plain(x) and x.data_ptr() % align != 0
 
 
 def rows_aligned(x: torch.Tensor) -> torch.Tensor:
