@@ -94,11 +94,16 @@ def _unsupported(kernel: str, items: tuple[tuple[str, Any], ...]) -> tuple[str, 
     return None
 
 
-def _runtime_problem(kernel: str, runtime: Mapping[str, int]) -> tuple[str, str] | None:
-    """(size, reason) for the first runtime size `kernel`'s spec refuses (not cached: they vary call to call)."""
+@functools.cache
+def _runtime_params(kernel: str) -> dict[str, Any]:
     from tkjit.registry import get_spec
 
-    params = {p.name: p for p in get_spec(kernel).runtime_params}
+    return {p.name: p for p in get_spec(kernel).runtime_params}
+
+
+def _runtime_problem(kernel: str, runtime: Mapping[str, int]) -> tuple[str, str] | None:
+    """(size, reason) for the first runtime size `kernel`'s spec refuses (not cached: they vary call to call)."""
+    params = _runtime_params(kernel)
     for name, value in runtime.items():
         try:
             params[name].check(value)
