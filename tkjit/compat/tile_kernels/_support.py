@@ -179,11 +179,15 @@ def rows_aligned(x: torch.Tensor) -> torch.Tensor:
     only when its rows start on their vector width. A view that is not aligned so is copied first
     (same values, one more pass over x) rather than refused: the call is a drop-in either way.
     """
+    if x.is_contiguous():  # (the common case first: a call's host cost is a few microseconds)
+        # A contiguous x's rows are as aligned as its start: the kernels narrow their loads to the row width.
+        if off_alignment(x, ROW_ALIGN_BYTES) and x.numel():
+            return x.clone()  # a fresh, aligned allocation
+        return x
     if x.numel() == 0 or x.stride(-1) != 1:
         return x  # (a last axis that is not contiguous is the kernel's to refuse, naming it)
     eb = x.element_size()
-    # A contiguous x's rows are as aligned as its start: the kernels narrow their loads to the row width.
-    leading = () if x.is_contiguous() else [s for s, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1]
+    leading = [s for s, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1]
     if off_alignment(x, ROW_ALIGN_BYTES) or any(s * eb % ROW_ALIGN_BYTES for s in leading):
         return x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
     return x
