@@ -100,6 +100,7 @@ def rows_for(dev: str) -> dict[str, Callable[[], object]]:
         logits, bias = torch.randn(1, 256, device=dev), torch.randn(256, device=dev)
         idx = torch.topk(scores, 8).indices
         gate_args = (logits, bias, 8, 4, 8, False, 0, 2.5, 0, 1, 0, 1, "sigmoid")
+        rows["compat moe.topk_gate"] = lambda: tkc.moe.topk_gate(scores, 8)
         rows["compat moe.top2_sum_gate"] = lambda: tkc.moe.top2_sum_gate(*gate_args)
         rows["compat moe.get_fused_mapping"] = lambda: tkc.moe.get_fused_mapping(idx, 256, 8 + 256 * 127, 128)
         try:
