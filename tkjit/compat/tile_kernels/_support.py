@@ -143,14 +143,17 @@ def require_kernel(
         # scalar, guarded: the kernel is built for one value anyway); the runtime sizes stay symbolic, left to
         # the op's own checks.
         items = tuple((k, _constant(v)) for k, v in shape.items())
-        problem, values = _unsupported_at_trace(kernel, items), dict(items)
+        problem = _unsupported_at_trace(kernel, items)
+        if problem is None:
+            return
+        values = dict(items)
     else:
-        items = tuple(shape.items())  # (a caller's dict literal keeps one order: one cache entry a shape)
-        problem, values = _unsupported(kernel, items), {**shape, **(runtime or {})}
+        problem = _unsupported(kernel, tuple(shape.items()))  # (a caller's dict literal keeps one order)
         if problem is None and runtime:
             problem = _runtime_problem(kernel, runtime)
-    if problem is None:
-        return
+        if problem is None:
+            return
+        values = {**shape, **(runtime or {})}
     param, reason = problem
     if param:
         what = f"{names.get(param, param)}={brief(values[param])}"
