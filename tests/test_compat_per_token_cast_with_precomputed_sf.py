@@ -31,7 +31,7 @@ def _x(n, hidden, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("col, packed", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [16, 32, 128])
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
 def test_with_its_own_scales_it_is_per_token_cast(refs, col, packed, group, fmt):
     x = _x(37, 512, seed=group)
@@ -64,7 +64,7 @@ def test_other_scales_give_saturating_e2m1_codes(refs):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
-@pytest.mark.parametrize("hidden, group", [(640, 256), (512, 512), (576, 576), (640, 96)])
+@pytest.mark.parametrize("hidden, group", [(640, 256), (512, 512), (576, 576), (640, 96), (640, 48)])
 def test_wider_groups_take_their_group_scale(refs, fmt, hidden, group):
     # Groups wider than a kernel block (hidden itself, or 256 with a partial last group) reuse one scale
     # across the group's blocks: the same values as the formula, channel by channel.
@@ -85,11 +85,11 @@ def test_wider_groups_take_their_group_scale(refs, fmt, hidden, group):
 @pytest.mark.parametrize("args, error, match", [
     (("e5m6", 128, torch.ones(4, 2)), ShapeError, "takes no precomputed sf"),
     (("e3m4", 128, torch.ones(4, 2)), ShapeError, "fmt must be one of"),
-    (("e2m1", 16, torch.ones(4, 16)), NotImplementedError, "num_per_channels=16"),
-    (("e4m3", 16, torch.ones(4, 16)), NotImplementedError, "num_per_channels=16"),
+    (("e2m1", 8, torch.ones(4, 32)), NotImplementedError, "num_per_channels=8"),
+    (("e4m3", 24, torch.ones(4, 11)), NotImplementedError, "num_per_channels=24"),
     (("e4m3", 128, torch.ones(4, 3)), TensorError, "sf must have shape"),
     (("e4m3", 128, torch.ones(4, 2).double()), TensorError, "sf"),
-], ids=["e5m6", "e3m4", "e2m1 group16", "group16", "sf shape", "sf dtype"])
+], ids=["e5m6", "e3m4", "e2m1 group8", "group24", "sf shape", "sf dtype"])
 def test_refusals_name_the_argument(args, error, match):
     with pytest.raises(error, match=match):
         tk.quant.per_token_cast_with_precomputed_sf(torch.zeros(4, 256), *args)

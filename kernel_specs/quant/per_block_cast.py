@@ -67,7 +67,7 @@ from tkjit_kernels.quant import _e2m1
 from tkjit_kernels.quant._scale import scale_macro, ue8m0_ceil
 
 BLOCKS_M = (1, 32, 64, 128)  # TileKernels' per_block_cast takes 32 and 128; 1 and 64 come free
-BLOCKS_K = (32, 64, 128)
+BLOCKS_K = (16, 32, 64, 128)  # TileKernels' per_block_cast takes 32 and 128; 16 serves precomputed-scale groups of 16
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
 MAX_ELEMS_PER_THREAD = 128  # registers per thread for the staged x

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 
 
 @pytest.mark.parametrize("n, hidden", [(4001, 7168), (128, 2048), (1, 576)])
-@pytest.mark.parametrize("group", [32, 128, "hidden"])
+@pytest.mark.parametrize("group", [16, 32, 128, "hidden"])
 @pytest.mark.parametrize("col, round_sf, packed", [(False, False, False), (False, True, False), (True, True, False),
                                                    (True, True, True)])
 def test_against_tile_kernels(n, hidden, group, col, round_sf, packed):

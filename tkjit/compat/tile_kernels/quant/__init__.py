@@ -558,7 +558,7 @@ def per_token_cast_with_precomputed_sf(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """per_token_cast's values with the given scales sf: fp8 e4m3 of clamp(x * (1 / sf), -448, 448) (fmt 'e2m1':
-    the FP4 codes of x * (1 / sf), two per int8) per token and group of num_per_channels (a multiple of 32; the last
+    the FP4 codes of x * (1 / sf), two per int8) per token and group of num_per_channels (a multiple of 16; the last
     group may be partial) channels,
     as TileKernels' cast-only kernel. sf is in the layout
     per_token_cast returns for the same flags: float32 (num_tokens, ceil(hidden / num_per_channels)) row-major,
@@ -582,8 +582,8 @@ def per_token_cast_with_precomputed_sf(
     group = as_int(fn, "num_per_channels", num_per_channels)
     num_tokens, hidden = x.shape
     groups = -(-hidden // group) if group > 0 else 0
-    if group <= 0 or group % 32:
-        raise missing(fn, FAMILY, f"num_per_channels={group} (with precomputed scales tkjit takes multiples of 32)")
+    if group <= 0 or group % 16:
+        raise missing(fn, FAMILY, f"num_per_channels={group} (with precomputed scales tkjit takes multiples of 16)")
     if use_packed_ue8m0:
         from tkjit_kernels.quant.cast_back import unpack_ue8m0
 
@@ -599,7 +599,7 @@ def per_token_cast_with_precomputed_sf(
                               f"ceil(hidden / num_per_channels)), got {tuple(sf.shape)}")
         if sf.stride(-1) != 1:  # the column-major view per_token_cast returns
             sf = sf.contiguous()
-    block = next(b for b in (128, 64, 32) if group % b == 0)
+    block = next(b for b in (128, 64, 32, 16) if group % b == 0)
     if block != group:  # a wider group (hidden, say): each block of `block` channels takes its group's scale
         sf = sf[:, torch.arange(0, hidden, block, device=sf.device) // group]
     return ops.per_block_cast_with_sf(rows_aligned(x), sf, (1, block), fmt=fmt)
