@@ -178,6 +178,24 @@ def test_unpack_ue8m0_bytes():
     assert unpack_ue8m0(torch.zeros(1, 1, dtype=torch.int32), 1).item() == 0.0  # exponent byte 0: +0.0
 
 
+@pytest.mark.parametrize("groups, cols", [(5, 8), (8, 4), (3, 0)])
+def test_pack_ue8m0_bytes_round_trip_and_compile(groups, cols):
+    """pack_ue8m0 puts group 4w + i's exponent in word w's byte i (exponents >= 128 set the word's sign bit),
+    unpack_ue8m0 reads them back, and torch.compile(fullgraph=True) gives the same words (the packing once
+    went through a uint8 -> int32 view that inductor's strided layout broke on the GPU)."""
+    from tkjit.scales import pack_ue8m0
+
+    exps = torch.randint(-126, 128, (groups, cols), generator=torch.Generator().manual_seed(groups))
+    storage = torch.exp2(exps.float())
+    words = pack_ue8m0(storage)
+    assert words.dtype == torch.int32 and words.shape == (-(-groups // 4), cols)
+    assert torch.equal(unpack_ue8m0(words.T, groups).T, storage)
+    if groups >= 4 and cols:
+        byte3 = (words[0].to(torch.int64) >> 24) & 0xFF
+        assert torch.equal(byte3, exps[3] + 127)
+    assert torch.equal(torch.compile(pack_ue8m0, fullgraph=True)(storage), words)
+
+
 @pytest.mark.parametrize("kw", [{}, {"in_fmt": "e2m1", "block_channels": 32}, {"block_tokens": 128},
                                 {"hidden": 576, "block_channels": 128, "out_dtype": "float32"}])
 def test_colmajor_reference_matches_row_major(spec, colmajor, kw):

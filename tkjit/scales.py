@@ -30,12 +30,12 @@ def pack_ue8m0(storage: torch.Tensor) -> torch.Tensor:
     is truncated to the power below it (what TileKernels' reference does; pass round_sf for exact scales).
     Pure torch (a few small kernels on the scales only), so torch.compile traces it."""
     groups, cols = storage.shape
-    exps = (storage.contiguous().view(torch.int32) >> 23).to(torch.uint8)  # sign bit 0: scales are > 0
+    # The exponent field as an int32 in 0..255 (sign bit 0: scales are > 0).
+    exps = (storage.contiguous().view(torch.int32) >> 23) & 0xFF
     pad = (-groups) % 4
     if pad:
         exps = torch.cat([exps, exps.new_zeros((pad, cols))])
-    # (G4, T4) -> (G4 / 4, T4, 4): the four groups of one word become its four consecutive bytes.
-    words = (groups + pad) // 4
-    if cols == 0:  # no tokens: an empty (words, 0) storage (a 0-byte row has no int32 view)
-        return storage.new_zeros((words, 0), dtype=torch.int32)
-    return exps.view(words, 4, cols).transpose(1, 2).contiguous().view(torch.int32).view(words, cols)
+    # Groups 4w .. 4w + 3 become word w's bytes 0 .. 3 (little-endian). Shifts and ORs rather than a uint8 ->
+    # int32 view of a transposed copy: inductor may lay that copy out strided, and a dtype view then fails.
+    quads = exps.view((groups + pad) // 4, 4, cols)
+    return quads[:, 0] | (quads[:, 1] << 8) | (quads[:, 2] << 16) | (quads[:, 3] << 24)

@@ -319,11 +319,11 @@ def decode(shape, x):
 def unpack_ue8m0(words, cols):
     """(rows, ceil(cols / 4)) int32 packed UE8M0 -> (rows, cols) float32: byte i of word j -> 2^(e - 127)
     of group 4j + i, as the bit pattern e << 23 (so 0 -> +0.0, 255 -> inf), TileKernels' transform_sf."""
-    # A fresh row-major copy: .contiguous() keeps the odd strides of views it counts as contiguous (one row or
-    # one word), which the byte view refuses.
-    dense = torch.empty(words.shape, dtype=torch.int32, device=words.device).copy_(words)
-    b = dense.view(torch.uint8).reshape(words.shape[0], -1)[:, :cols]
-    return (b.to(torch.int32) << 23).view(torch.float32)
+    # Shifts, not a uint8 view: any strides (a view of one row or one word), zero rows, and torch.compile.
+    rows, w = words.shape
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=words.device)
+    b = ((words.to(torch.int32)[:, :, None] >> shifts) & 0xFF).reshape(rows, 4 * w)[:, :cols]
+    return (b << 23).view(torch.float32)
 
 
 def dequant(shape, values, scales):
