@@ -124,3 +124,22 @@ def test_an_in_place_input_after_an_absent_optional_one_is_found():
     assert run_against_reference(Kernel(1), full, inputs, device="cpu")[1] is None
     assert "count" in run_against_reference(Kernel(2), full, inputs, device="cpu")[1]  # the in-place input checked
     assert int(inputs[1]) == 0  # the kernel ran on a copy
+
+
+def test_a_reference_on_device_gets_the_inputs_where_they_are():
+    """Specs whose maths depend on the device's library (exp) compare with a reference run on the kernel's
+    device; the outputs still come back on the CPU, where the comparison runs."""
+    import dataclasses
+
+    seen = []
+
+    def reference(s, x):
+        seen.append(x)
+        return 2 * x
+
+    x = torch.randn(8)
+    for on_device in (False, True):
+        spec = dataclasses.replace(_spec(), reference=reference, reference_on_device=on_device)
+        (y,) = reference_outputs(spec, {"num_tokens": 8}, [x])
+        assert y.device.type == "cpu" and torch.equal(y, 2 * x)
+    assert seen[1] is x  # as given (on a GPU host: the CUDA tensor, not a CPU copy)

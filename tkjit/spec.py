@@ -320,6 +320,9 @@ class KernelSpec:
     # Config overrides that make the kernel IEEE-exact where its fast configs are not (fast math, reciprocals):
     # TKJIT_EXACT_MATH=1 serves the chosen config with these applied. Empty: the kernel is always exact.
     exact: Mapping[str, Any] = field(default_factory=dict)
+    # The reference runs where the inputs are, not on CPU copies: its result depends on the device's maths
+    # library (torch's CUDA expf and its CPU exp differ in the last bit), and the kernel matches the device's.
+    reference_on_device: bool = False
     source_hash: str = ""
 
     # -- shapes -------------------------------------------------------------------------

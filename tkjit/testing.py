@@ -33,11 +33,16 @@ def poisoned_outputs(kernel: CompiledKernel, sizes: dict[str, Any], device) -> l
 
 
 def reference_outputs(spec: KernelSpec, full: dict[str, Any], inputs: Sequence[torch.Tensor]) -> tuple:
-    """The spec's reference outputs for `inputs`, always a tuple (computed on CPU copies of them).
+    """The spec's reference outputs for `inputs`, always a tuple of CPU tensors (computed on CPU copies of
+    the inputs, or where they are for a spec with `reference_on_device`).
 
     inputs: the tensors, then the values of the spec's scalars (passed to the reference as they are)."""
-    ref = spec.reference(full, *[t.cpu() if isinstance(t, torch.Tensor) else t for t in inputs])
-    return tuple(ref) if isinstance(ref, (tuple, list)) else (ref,)
+    if spec.reference_on_device:
+        ref = spec.reference(full, *inputs)
+    else:
+        ref = spec.reference(full, *[t.cpu() if isinstance(t, torch.Tensor) else t for t in inputs])
+    ref = tuple(ref) if isinstance(ref, (tuple, list)) else (ref,)
+    return tuple(r.cpu() if isinstance(r, torch.Tensor) else r for r in ref)
 
 
 def run_against_reference(
