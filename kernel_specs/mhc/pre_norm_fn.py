@@ -22,8 +22,10 @@ warp adds its lanes' sums with shuffles. A block holds `warps` warps; fn is read
 element then run on the CUDA cores' FMA pipe, which at mhc_mult 4 takes longer than reading x (~0.17 ms
 against ~0.11 ms for 8192 x 28672 on the H200: predicted from the FMA rate, not measured). "mma":
 TileKernels' approach, a TF32 tensor-core GEMM over tiles of block_tokens tokens (see _build_mma);
-mhc_mult3 <= 32. Neither has run on a GPU yet: the tuner, behind its correctness gate, picks between them.
-float64 reference rounded once; rtol 1e-5. CUDA only.
+mhc_mult3 <= 32. The tuner, behind its correctness gate, picks between them.
+float64 reference rounded once; rtol 1e-4 (TileKernels' test allows 1e-3): tensor cores add float32 in their
+own order and rounding (published measurements find truncation), and the mma layout measured 1.08e-5 at
+1024 tokens x 5120 on an H100. CUDA only.
 """
 
 from tkjit.registry import register
@@ -59,7 +61,7 @@ def check_shape(shape):
 
 
 COMMON = dict(family="mhc", pass_configs=pass_configs, arch_constraint=arch_constraint, check_shape=check_shape,
-              tolerance=Tolerance(rtol=1e-5))
+              tolerance=Tolerance(rtol=1e-4))
 
 
 def _widest_vec(k: int, cap: int = 8) -> int:
