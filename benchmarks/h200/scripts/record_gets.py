@@ -15,6 +15,8 @@ tests ask for theirs first). Every-config tests would record whole spaces: leave
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 
@@ -45,7 +47,8 @@ def _record(name, shape, arch, config):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--record-out", default="gets.json", help="where the recorded kernels go (JSON)")
+    parser.addoption("--record-out", default=os.path.join(tempfile.gettempdir(), "tkjit-gets.json"),
+                     help="where the recorded kernels go (JSON)")
 
 
 def _record_jobs(jobs, *args, **kwargs):
