@@ -322,6 +322,7 @@ class KernelSpec:
     exact: Mapping[str, Any] = field(default_factory=dict)
     # The reference runs where the inputs are, not on CPU copies: its result depends on the device's maths
     # library (torch's CUDA expf and its CPU exp differ in the last bit), and the kernel matches the device's.
+    # Such a reference gets the caller's tensors themselves: it must not write into them.
     reference_on_device: bool = False
     source_hash: str = ""
 
