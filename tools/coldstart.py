@@ -172,9 +172,11 @@ def main() -> int:
     compile_bytecode()
     run_child(child)  # warm the cache (compiles if cold)
     runs = []
-    for _ in range(args.runs):
+    for i in range(args.runs):
         out = run_child(child)
         runs.append(json.loads(out.strip().splitlines()[-1]))
+        # each run as it ends: a caller's time limit that stops this tool still leaves the runs so far
+        print(f"run {i + 1}: {json.dumps(runs[-1])}", flush=True)
     keys = ["ctx_ms", "import_ms", "get_ms", "launch_ms", "tkjit_total_ms", "memo_us", "call_us", "call_out_us"]
     print(f"{args.kernel} {shape}: {args.runs} fresh processes (median), config from {runs[0]['source']}")
     for k in keys:
