@@ -332,8 +332,7 @@ def cmd_show(args) -> int:
 
 def cmd_compile(args) -> int:
     from tkjit import envs
-    from tkjit.canon import canonical_json
-    from tkjit.pool import compile_many
+    from tkjit.pool import compile_many, unique_jobs
     from tkjit.registry import all_specs
     from tkjit.tuning_db import choose_config
 
@@ -358,14 +357,11 @@ def cmd_compile(args) -> int:
         s = known_kernel(args.name[0])
         shapes = [(s, _shape_of(s, args.shape))]
     arch = _cli_arch(args.arch)
-    jobs, seen = [], set()
+    jobs = []
     for spec, full in shapes:
         cfg, source = choose_config(spec, full, arch, cfg_in)
-        job = (spec.name, spec.static_shape(full), cfg, arch, source)
-        ident = canonical_json(job[:4])
-        if ident not in seen:
-            seen.add(ident)
-            jobs.append(job)
+        jobs.append((spec.name, spec.static_shape(full), cfg, arch, source))
+    jobs = unique_jobs(jobs)
     print(f"compiling {len(jobs)} kernel(s) for {arch} with {args.jobs or 'all'} jobs ...", flush=True)
     failed = 0
     results = compile_many(jobs, args.jobs)

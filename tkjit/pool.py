@@ -13,11 +13,12 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from tkjit import envs
+from tkjit.canon import canonical_json
 from tkjit.procs import die_with_parent, exit_status
 
 
@@ -29,6 +30,15 @@ def default_jobs() -> int:
 
 
 Job = tuple[str, dict, dict, str, str]  # (kernel, static shape, config, arch, config source)
+
+
+def unique_jobs(jobs: Iterable[Job]) -> list[Job]:
+    """jobs in order without repeats: two jobs naming one (kernel, static shape, config, arch) build one variant,
+    whatever config source each names (the first one's is kept)."""
+    seen: dict[str, Job] = {}
+    for job in jobs:
+        seen.setdefault(canonical_json(list(job[:4])), tuple(job))
+    return list(seen.values())
 
 
 class Result(tuple):

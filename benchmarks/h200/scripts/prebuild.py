@@ -24,25 +24,21 @@ from baselines import SHAPES  # noqa: E402
 
 import tkjit  # noqa: E402
 from tkjit.canon import canonical_json  # noqa: E402
-from tkjit.pool import compile_many  # noqa: E402
+from tkjit.pool import compile_many, unique_jobs  # noqa: E402
 from tkjit.registry import all_specs  # noqa: E402
 from tkjit.tuning_db import choose_config  # noqa: E402
 
 
 def jobs_for(names: list[str], arch: str) -> list[tuple]:
-    jobs, seen = [], set()
+    jobs = []
     for name in names:
         spec = tkjit.get_spec(name)
         for shape in SHAPES[name]:
             full = spec.canonical_shape(shape)
             for cfg, source in (choose_config(spec, full, arch, None),
                                 (spec.default_config(full, arch), "default")):
-                job = (spec.name, spec.static_shape(full), cfg, arch, source)
-                ident = canonical_json(job[:4])
-                if ident not in seen:
-                    seen.add(ident)
-                    jobs.append(job)
-    return jobs
+                jobs.append((spec.name, spec.static_shape(full), cfg, arch, source))
+    return unique_jobs(jobs)
 
 
 def main() -> int:

@@ -3,13 +3,14 @@
 them before a GPU run, whose minutes then go to the tests rather than to nvcc:
 
     PYTHONPATH=benchmarks/h200/scripts:$PYTHONPATH python -m pytest -p record_gets --record-out gets.json \\
-        tests/gpu/test_gpu_per_block_cast.py -k "not every" -q
+        tests/gpu/test_gpu_per_block_cast.py -k "not every_config" -q
     python benchmarks/h200/scripts/prebuild.py --from-json gets.json
 
 Nothing runs or compiles: the GPU marker's skip is lifted, `tkjit.get` returns a stand-in that records,
 `tkjit.pool.compile_many` records its jobs (and reports each as not built), `tkjit.testing.check` passes and
 `check_configs` does nothing, and a test stops where it first needs CUDA (its later kernels go unrecorded; most
-tests ask for theirs first). Every-config tests would record whole spaces: leave them out (-k "not every").
+tests ask for theirs first). Every-config tests would record whole spaces: leave them out with
+-k "not every_config" ("not every" would also drop the default-config tests named ..._every_size).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import tempfile
 
 import pytest
 
-_JOBS: dict[str, list] = {}
+_JOBS: list[tuple] = []  # every job asked for, repeats included (tkjit.pool.unique_jobs drops them at the end)
 
 
 class _Recorded:
@@ -34,15 +35,13 @@ class _Recorded:
 
 
 def _record(name, shape, arch, config):
-    from tkjit.canon import canonical_json
     from tkjit.registry import get_spec
     from tkjit.tuning_db import choose_config
 
     spec = get_spec(name)
     full = spec.canonical_shape(shape)
     cfg, source = choose_config(spec, full, "sm_90a", config)
-    job = [spec.name, spec.static_shape(full), cfg, "sm_90a", source]
-    _JOBS.setdefault(canonical_json(job[:4]), job)
+    _JOBS.append((spec.name, spec.static_shape(full), cfg, "sm_90a", source))
     return _Recorded(spec, full, cfg)
 
 
@@ -52,12 +51,9 @@ def pytest_addoption(parser):
 
 
 def _record_jobs(jobs, *args, **kwargs):
-    from tkjit.canon import canonical_json
     from tkjit.pool import Result
 
-    jobs = [list(job) for job in jobs]
-    for job in jobs:
-        _JOBS.setdefault(canonical_json(job[:4]), job)
+    _JOBS.extend(jobs)
     return [Result(None, "recorded, not built (no GPU here)") for _ in jobs]
 
 
@@ -80,7 +76,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session):
+    from tkjit.pool import unique_jobs
+
+    jobs = unique_jobs(_JOBS)
     path = session.config.getoption("--record-out")
     with open(path, "w") as f:
-        json.dump(list(_JOBS.values()), f, indent=0)
-    print(f"\nrecorded {len(_JOBS)} kernel(s) into {path}")
+        json.dump(jobs, f, indent=0)
+    print(f"\nrecorded {len(jobs)} kernel(s) into {path}")

@@ -49,13 +49,14 @@ def main() -> int:
         print(f"{spec.name} {shape}: {len(cfgs) - len(bad)} of {len(cfgs)} configs compiled for {args.arch}")
         return 1 if bad else 0
     inputs = spec.make_inputs(full, device="cuda", seed=7)
+    check_at = {**full, **parse_shape(args.check_shape)}
     rows, wrong = [], []
     for c, (_, err) in zip(cfgs, errs):
         if err:
             wrong.append((c, err))
             continue
         k = tkjit.get(spec.name, full, config=c)
-        msg = check(k, {**full, **parse_shape(args.check_shape)}, seed=11)
+        msg = check(k, check_at, seed=11)
         if msg:
             wrong.append((c, msg))
             continue
