@@ -55,7 +55,7 @@ def test_registered_defaults_and_constraints():
     s = tkjit.get_spec(NAME)
     big = full(4096, 4, 7168)
     c = s.default_config(big, "sm_90a")
-    assert c == {"threads": 128, "rows": 1, "vec_bytes": 16, "unroll": 7, "recip": True}
+    assert c == {"threads": 128, "rows": 1, "vec_bytes": 16, "unroll": 7, "recip": True, "mix_warp": True}
     assert s.constraint(big, c) is None
     assert s.arch_constraint("cpu", c, big) is not None  # CUDA only
     assert "vec_bytes" in s.constraint(big, {**c, "vec_bytes": 4})  # a quarter of the widest vectors
@@ -67,13 +67,17 @@ def test_registered_defaults_and_constraints():
 @pytest.mark.parametrize("shape, config", [
     ({"num_tokens": 4096, "mhc_mult": 4, "hidden": 7168}, None),
     ({"num_tokens": 64, "mhc_mult": 4, "hidden": 1000},  # a guarded last chunk, two tokens a block
-     {"threads": 64, "rows": 2, "vec_bytes": 16, "unroll": 3, "recip": False}),
+     {"threads": 64, "rows": 2, "vec_bytes": 16, "unroll": 3, "recip": False, "mix_warp": False}),
+    ({"num_tokens": 64, "mhc_mult": 4, "hidden": 1000},  # the same with a warp of its own for the mixes
+     {"threads": 64, "rows": 2, "vec_bytes": 16, "unroll": 3, "recip": False, "mix_warp": True}),
     ({"num_tokens": 64, "mhc_mult": 2, "hidden": 1280}, None),
 ])
 def test_compiles_for_sm90a(shape, config):
     k = tkjit.get(NAME, {**shape, **EPS}, arch="sm_90a", config=config)
     src = (k.path / "kernel.cu").read_text()
     assert src.count("__global__") >= 1 and "__fmaf_rn" in src and "rsqrtf" in src
+    threads = k.config["threads"] + 32 * k.config["mix_warp"]  # mix_warp: one more warp, the mixes'
+    assert f"__launch_bounds__({threads}, 1)" in src
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -98,17 +98,30 @@ def test_specs_validate():
         assert [a.name for a in spec.outputs] == ["out", "scales"]
 
 
-@pytest.mark.parametrize("hidden, group, in_dtype", [(2048, 128, "bfloat16"), (7168, 128, "float32"),
-                                                     (4096, 4096, "bfloat16"), (1536, 1536, "float32"),
-                                                     (256, 64, "bfloat16")])
+@pytest.mark.parametrize("hidden, group, in_dtype", [(7168, 128, "float32"), (4096, 4096, "bfloat16"),
+                                                     (1536, 1536, "float32"), (256, 64, "bfloat16")])
 def test_defaults_are_per_token_casts(hidden, group, in_dtype):
-    """The layout is per_token_cast's: the same default for the same (hidden, group, in_dtype)."""
+    """The layout is per_token_cast's: the same default for the same (hidden, group, in_dtype), but for
+    bf16 groups of 128 (next test)."""
     shape = _shape(hidden=hidden, group=group, in_dtype=in_dtype)
     ptc = get_spec("per_token_cast").canonical_shape({"num_tokens": 64, "hidden": hidden, "group": group,
                                                       "in_dtype": in_dtype})
     cfg = get_spec(NAME).default_config(shape, "sm_90a")
     assert cfg == get_spec("per_token_cast").default_config(ptc, "sm_90a")
     assert get_spec(NAME).constraint(shape, cfg) is None
+
+
+@pytest.mark.parametrize("hidden", [128, 2048, 7168])
+def test_bf16_group_128_defaults(hidden):
+    """bf16 groups of 128: two 16-byte loads of each half a thread, eight threads a group; four groups a
+    thread in turn (128-thread blocks) where the clamp is counted, the measured fastest of each shape."""
+    spec = get_spec(NAME)
+    dense = _shape(hidden=hidden)
+    routed = _shape(hidden=hidden, swiglu_clamp_value=10.0, count_clamp=True)
+    assert spec.default_config(dense, "sm_90a") == {"vec": 16, "group_threads": 8, "threads": 256, "iters": 1}
+    assert spec.default_config(routed, "sm_90a") == {"vec": 16, "group_threads": 8, "threads": 128, "iters": 4}
+    for s in (dense, routed):
+        assert spec.constraint(s, spec.default_config(s, "sm_90a")) is None
 
 
 @pytest.mark.parametrize("kw, match", [

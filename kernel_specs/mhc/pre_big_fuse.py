@@ -17,14 +17,19 @@ Why the GEMM stays a kernel of its own: tkjit's mhc_pre_norm_fn kernel already w
 to this kernel, as TileKernels hands its `_mhc_pre_norm_fn_fwd_mul` outputs to its big_fuse kernel (with
 n_splits = 1 there too). The extra M floats a token it writes are < 0.1% of the residual this kernel reads.
 
-Layout: a block takes `rows` tokens. First one thread per token (threads < rows) runs the token's mixes
-in registers with the family's blocks: the norm, `_mixes.forward_blocks` (the three segments' maths,
-post_mix's store), `_common.sinkhorn_block` (tkjit's in-register Sinkhorn, `recip` tunable as in
-sinkhorn_fwd), comb_mix's store, and leaves the pre weights in shared memory. After one barrier every
-thread runs the layer input as pre_apply_mix does (`_streams.mix_chunk`: rows tokens, threads // rows
-lanes each, vec_bytes vectors, unroll a lane) over all of the row's chunks. The residual dominates the
-traffic (8 * hidden bytes a token at mhc_mult 4), so the kernel runs at memory speed once enough blocks
-are resident; the Sinkhorn's latency is paid once per block, hidden by the other resident blocks.
+Layout: a block takes `rows` tokens, `threads` threads stream the residual (pre_apply_mix's row layout,
+`_streams.mix_chunk`: rows tokens, threads // rows lanes each, vec_bytes vectors, unroll a lane) and the mixes
+run beside them, in one of two ways (`mix_warp`):
+- True: one more warp, whose first `rows` threads run a token's norm, post mix and Sinkhorn each
+  (`_mixes.forward_blocks`, `_common.sinkhorn_block` with `recip` tunable as in sinkhorn_fwd) and store
+  post_mix and comb_mix; every streaming lane computes its own row's pre weights (m sigmoids of the normed
+  GEMM outputs, the same float32 operations) in registers. No barrier: the residual's loads start at once,
+  and the Sinkhorn's latency chain runs while the other warps move the row.
+- False: the first `rows` threads run all of their token's mixes and leave the pre weights in shared memory;
+  after one barrier every thread streams. The Sinkhorn's latency is paid before any residual moves.
+The residual dominates the traffic (8 * hidden bytes a token at mhc_mult 4): once the latency is hidden the
+kernel runs at memory speed. TileKernels' kernel splits its warps the same way (one for the mixes, two
+streaming, a token a block).
 
 Rounding: the norm, sigmoid and Sinkhorn run in IEEE float32 (no fast math, as TileKernels' kernel; `recip`
 is tunable, TKJIT_EXACT_MATH=1 turns it off), the layer input is pre_apply_mix's fma chain, so the outputs
@@ -66,20 +71,13 @@ def width(s):
     return 2 * s["mhc_mult"] + s["mhc_mult"] ** 2
 
 
-# From BIG_TOKENS tokens: eight tokens a block of 128 threads, two chunks unrolled, 16-byte vectors. Measured on an
-# H100 at 8192 tokens (benchmarks/h200/2026-12-05_s14_h100_sweep_mhc_*.json): within 1.1% of the fastest config
-# of that slice of the space at hidden 1280, 4096 and 7168, and 7-11% faster than the row layout's default.
-# Fewer tokens keep that default: eight a block would leave SMs idle, and they were not measured.
-BIG_TOKENS = 8192
-BIG = {"threads": 128, "rows": 8, "vec_bytes": 16, "unroll": 2, "recip": True}
-
-
 def default(shape):
-    # pre_apply_mix's row layout (widest vectors, fewest idle slots); one thread per token for the mixes.
-    small = {**row_default(shape), "recip": True}
-    if shape.get("num_tokens", 0) >= BIG_TOKENS and constraint(shape, BIG) is None:
-        return dict(BIG)
-    return small
+    # pre_apply_mix's row layout (widest vectors, fewest idle slots), the mixes in a warp of their own. Measured on
+    # an H100 (benchmarks/h200/2026-12-05_s15_h100_run2_sweep_mhc_*.json, 24-48 configs a shape, hidden 1280 / 4096
+    # / 7168 at 1024, 4096 and 8192 tokens): within 1.5% of the fastest at 5 of those 9 shapes, 1.9-7.7% at the
+    # others (hidden 1280 at 4096 and 8192 tokens, hidden 4096 at 1024 and 4096), where tuning takes over. The
+    # same layout with the mixes in the streaming threads (mix_warp False) was 12-44% slower where measured.
+    return {**row_default(shape), "recip": True, "mix_warp": True}
 
 
 def constraint(shape, c):
@@ -91,7 +89,7 @@ def constraint(shape, c):
     return None
 
 
-SPACE = {**ROW_SPACE, "recip": (False, True)}
+SPACE = {**ROW_SPACE, "recip": (False, True), "mix_warp": (False, True)}
 
 
 def build(shape, c):
@@ -102,7 +100,7 @@ def build(shape, c):
     segs = split_segments(shape)
     g = geometry(shape, c)
     vec, lanes, chunk, chunks = g.vec, g.lanes, g.chunk, g.chunks
-    R, U, threads = c["rows"], c["unroll"], c["threads"]
+    R, U, threads, mw = c["rows"], c["unroll"], c["threads"], c["mix_warp"]
     rms_eps = shape["rms_eps"]
     load, mixes, stores = forward_blocks(segs, MIX_VEC, shape["mhc_pre_eps"], shape["mhc_post_mult_value"])
     sinkhorn = _common.sinkhorn_block(m, shape["sinkhorn_repeat"], shape["mhc_sinkhorn_eps"], c["recip"])
@@ -110,6 +108,40 @@ def build(shape, c):
     mix_lane = mix_chunk(m, g, U)
     num_tokens = T.dynamic("num_tokens")
     f32, bf16 = T.float32, T.bfloat16
+
+    pv = vec_of(m, MIX_VEC)  # floats per access of a row's first m mixes (the pre segment)
+
+    @T.macro
+    def normed(r, out_mul, sqrsum, t64, rms, n):
+        """r[:n] = the token's first n GEMM outputs times its RMS norm (n = W: the whole row)."""
+        if n == W:
+            load(r, out_mul, t64)
+        else:
+            for c in T.unroll(n // pv):
+                for e in T.vectorized(pv):
+                    r[c * pv + e] = out_mul[t64, c * pv + e]
+        rms[0] = T.rsqrt(sqrsum[t64] / T.float32(K) + T.float32(rms_eps))
+        for j in T.unroll(n):
+            r[j] = r[j] * rms[0]
+
+    @T.macro
+    def post_and_comb(r, mat, s, t64, mhc_scale, mhc_base, post_mix, comb_mix):
+        mixes[1](r, mhc_scale, mhc_base)
+        mixes[2](r, mhc_scale, mhc_base)
+        stores[1](post_mix, t64, r)
+        for i in T.unroll(m):
+            for j in T.unroll(m):
+                mat[i, j] = r[2 * m + i * m + j]
+        sinkhorn(mat, s)
+        store_mat(comb_mix, t64, mat)
+
+    @T.macro
+    def stream(lane, bx, residual, layer_input, pre, pre_row, acc, xs, ys, w):
+        row = bx * R + lane // lanes
+        if row < num_tokens:
+            row64 = T.cast(row, "int64")
+            for ch in T.serial(chunks):
+                mix_lane(residual, layer_input, row64, ch * chunk + lane % lanes, pre, pre_row, acc, xs, ys, w)
 
     @T.prim_func
     def mhc_pre_big_fuse(
@@ -122,9 +154,8 @@ def build(shape, c):
         comb_mix: T.Tensor[(num_tokens, m, m), f32],
         layer_input: T.Tensor[(num_tokens, H), bf16],
     ):
-        with T.Kernel(T.ceildiv(num_tokens, R), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(num_tokens, R), threads=threads + (32 if mw else 0)) as bx:
             tx = T.get_thread_binding()
-            pre = T.alloc_shared((R, m), f32)
             r = T.alloc_local((W,), f32)
             mat = T.alloc_local((m, m), f32)
             s = T.alloc_local((m,), f32)
@@ -133,32 +164,40 @@ def build(shape, c):
             xs = T.alloc_local((U * vec,), bf16)
             ys = T.alloc_local((U * vec,), bf16)
             w = T.alloc_local((1,), f32)
-            if tx < R:
-                tok = bx * R + tx
-                if tok < num_tokens:
-                    t64 = T.cast(tok, "int64")
-                    load(r, out_mul, t64)
-                    rms[0] = T.rsqrt(sqrsum[t64] / T.float32(K) + T.float32(rms_eps))
-                    for j in T.unroll(W):
-                        r[j] = r[j] * rms[0]
-                    mixes[0](r, mhc_scale, mhc_base)
-                    mixes[1](r, mhc_scale, mhc_base)
-                    mixes[2](r, mhc_scale, mhc_base)
-                    for j in T.unroll(m):
-                        pre[tx, j] = r[j]
-                    stores[1](post_mix, t64, r)
-                    for i in T.unroll(m):
+            tok = bx * R + tx
+            if mw:
+                # No barrier: warp 0 runs its tokens' post and comb mixes (the Sinkhorn, the long latency
+                # chain), while every other lane computes its own row's pre weights (m sigmoids, the same
+                # float32 operations) in registers and streams the residual at once.
+                if tx < 32:
+                    if tx < R:
+                        if tok < num_tokens:
+                            t64 = T.cast(tok, "int64")
+                            normed(r, out_mul, sqrsum, t64, rms, W)
+                            post_and_comb(r, mat, s, t64, mhc_scale, mhc_base, post_mix, comb_mix)
+                else:
+                    prel = T.alloc_local((1, m), f32)
+                    row = bx * R + (tx - 32) // lanes
+                    if row < num_tokens:
+                        normed(r, out_mul, sqrsum, T.cast(row, "int64"), rms, m)
+                        mixes[0](r, mhc_scale, mhc_base)
                         for j in T.unroll(m):
-                            mat[i, j] = r[2 * m + i * m + j]
-                    sinkhorn(mat, s)
-                    store_mat(comb_mix, t64, mat)
-            T.sync_threads()
-            row = bx * R + tx // lanes
-            if row < num_tokens:
-                row64 = T.cast(row, "int64")
-                for ch in T.serial(chunks):
-                    mix_lane(residual, layer_input, row64, ch * chunk + tx % lanes, pre, tx // lanes, acc, xs, ys,
-                             w)
+                            prel[0, j] = r[j]
+                        stream(tx - 32, bx, residual, layer_input, prel, 0, acc, xs, ys, w)
+            else:
+                # One thread per token runs all its mixes and leaves the pre weights in shared memory;
+                # after one barrier every thread streams.
+                pre = T.alloc_shared((R, m), f32)
+                if tx < R:
+                    if tok < num_tokens:
+                        t64 = T.cast(tok, "int64")
+                        normed(r, out_mul, sqrsum, t64, rms, W)
+                        mixes[0](r, mhc_scale, mhc_base)
+                        for j in T.unroll(m):
+                            pre[tx, j] = r[j]
+                        post_and_comb(r, mat, s, t64, mhc_scale, mhc_base, post_mix, comb_mix)
+                T.sync_threads()
+                stream(tx, bx, residual, layer_input, pre, tx // lanes, acc, xs, ys, w)
 
     return mhc_pre_big_fuse
 

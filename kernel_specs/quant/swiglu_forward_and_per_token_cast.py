@@ -26,10 +26,13 @@ multiply, one rounding where TileKernels' torch reference has two (exp is its ow
 
 Two specs, as per_token_cast: scales row-major (num_tokens, num_groups), or the TMA-aligned column-major
 storage (num_groups, align(num_tokens, 4)) with padding 0.0 (`_colmajor`); packed UE8M0 comes from the latter
-(`tkjit.scales.pack_ue8m0`). Layout, tunables and defaults are per_token_cast's (its SPACE, constraint and
-default): a group is owned by `group_threads` threads, each loading `vec`-element chunks of l and of r (two
-16-byte loads per chunk for bf16), computing y in registers, the group amax by `_group_amax`. The clamp counts
-are per-thread int32, summed by a warp butterfly and shared memory, one int64 atomic per block and counter.
+(`tkjit.scales.pack_ue8m0`). Layout and tunables are per_token_cast's (its SPACE, more `iters`, and its
+constraint): a group is owned by `group_threads` threads, each loading `vec`-element chunks of l and of r (two
+16-byte loads per chunk for bf16), computing y in registers, the group amax by `_group_amax`. A skipped row
+(pos_to_expert < 0) neither reads x nor runs the SwiGLU: its values are zeros from the start (a fifth of the
+routed benchmark's rows). The clamp counts are per-thread int32, summed by a warp butterfly and shared memory,
+one int64 atomic per block and counter. The kernel is compute-bound as much as memory-bound (IEEE expf and
+division an element), so it spends no instruction it need not: the e4m3 cast saturates at +-448 by itself.
 """
 
 import struct
@@ -46,10 +49,9 @@ from tkjit_kernels.quant._scale import scale_macro, token_scale_store_macro, ue8
 FP8_MAX = ptc.FP8_MAX
 GROUPS = ptc.GROUPS
 # per_token_cast's space, with more groups a thread in turn (fewer blocks): the clamp counter costs one atomic per
-# block and counter, and an H100 sweep of the routed shape (69632 rows with the counter) had iters=4 configs
-# fastest (312 µs against 379 for the default; TileKernels: 264, on a persistent grid of 4 blocks an SM). At that
-# shape 32 groups a block (256 threads, 8 a group) make 34816 blocks with iters=1; iters=64 makes 544, about
-# TileKernels' 528. Not measured yet: the tuner decides, behind its correctness gate.
+# block and counter. At the routed shape 32 groups a block (256 threads, 8 a group) make 34816 blocks with
+# iters=1; iters=64 makes 544, about TileKernels' persistent grid of 528. On an H100 iters=4 was fastest there,
+# 16 and 64 within 4% (see the default below).
 SPACE = {**ptc.SPACE, "iters": (1, 4, 16, 64)}
 AMAX_MIN = 1e-4  # TileKernels' e4m3 amax clamp (its sf_clamp_min default)
 # Smallest sf_clamp_min: amax / 448 stays a normal float32 (and 448 / amax finite), so the scale rounding holds.
@@ -70,7 +72,18 @@ def num_groups(shape) -> int:
     return shape["hidden"] // shape["group"]
 
 
+# bf16 groups of 128 (TileKernels' per-token group): two 16-byte loads of each half a thread, eight threads a group,
+# as 128-thread blocks of four groups a thread in turn where the clamp is counted (fewer blocks, fewer counter
+# atomics), else 256-thread blocks of one. Measured on an H100 (benchmarks/h200/2026-12-05_s15_h100_run1_sweep_swiglu_*):
+# the routed shape (69632 rows, counted) 237.6 us, the fastest of 48 configs, against 311.6 for per_token_cast's
+# default; 32768 dense rows 119.8 us, the fastest of 15, against 137.2. Other groups keep per_token_cast's default.
+G128_COUNTED = {"vec": 16, "group_threads": 8, "threads": 128, "iters": 4}
+G128 = {"vec": 16, "group_threads": 8, "threads": 256, "iters": 1}
+
+
 def default(shape):
+    if shape["group"] == 128 and shape["in_dtype"] == "bfloat16":
+        return dict(G128_COUNTED if shape["count_clamp"] else G128)
     return ptc.default(shape)
 
 
@@ -132,6 +145,28 @@ def build(shape, c, col_major):
     def const(v):  # a float32 constant by its bits: never a decimal rounded twice on its way into the source
         return T.reinterpret(u32(_f32_bits(v)), fp32)
 
+    @T.macro
+    def swiglu_chunk(x, row, ch, i, live, xl, xr, lv, rv, ys, w, cnt):
+        """Chunk i of a thread's group: x's vec gate and up values from channel ch, SwiGLU into ys, counted."""
+        for v in T.vectorized(vec):
+            xl[v] = x[row, ch + v]
+        for v in T.vectorized(vec):
+            xr[v] = x[row, H + ch + v]
+        for v in T.unroll(vec):
+            lv[0] = T.cast(xl[v], fp32)
+            rv[0] = T.cast(xr[v], fp32)
+            if clamp > 0:
+                if count:
+                    if live:
+                        cnt[0] = cnt[0] + T.if_then_else(lv[0] > const(clamp), 1, 0)
+                        cnt[1] = cnt[1] + T.if_then_else(rv[0] > const(clamp), 1, 0)
+                        cnt[2] = cnt[2] + T.if_then_else(rv[0] < const(-clamp), 1, 0)
+                lv[0] = T.min(lv[0], const(clamp))
+                rv[0] = T.max(T.min(rv[0], const(clamp)), const(-clamp))
+            ys[i * vec + v] = T.ieee_fdiv(lv[0], T.ieee_add(T.float32(1), T.exp(-lv[0]))) * rv[0]
+            if has_w:
+                ys[i * vec + v] = ys[i * vec + v] * w[0]
+
     def swiglu_forward_and_per_token_cast(
         x: T.Tensor[(num_tokens, 2 * H), in_dtype],
         pos_to_token_topk: T.Tensor[(num_tokens,), i32] = None,
@@ -160,6 +195,8 @@ def build(shape, c, col_major):
                 s = T.alloc_local((1,), i32)
                 for k in T.unroll(3):
                     cnt[k] = 0
+            else:
+                cnt = None
             t = tx % tpg
             total = T.cast(num_tokens, "int64") * NG
             for it in T.serial(iters):
@@ -174,47 +211,23 @@ def build(shape, c, col_major):
                     w[0] = T.if_then_else((pos >= 0) & (pos < num_weights),
                                           topk_weights[T.max(T.min(pos, num_weights - 1), 0)], T.float32(0))
                 for i in T.unroll(cpt):
-                    ch = col + (i * tpg + t) * vec
                     if has_e:
                         if live:
-                            for v in T.vectorized(vec):
-                                xl[v] = x[row, ch + v]
-                            for v in T.vectorized(vec):
-                                xr[v] = x[row, H + ch + v]
-                        else:
-                            for v in T.vectorized(vec):
-                                xl[v] = T.cast(0, in_dtype)
-                            for v in T.vectorized(vec):
-                                xr[v] = T.cast(0, in_dtype)
+                            swiglu_chunk(x, row, col + (i * tpg + t) * vec, i, live, xl, xr, lv, rv, ys, w, cnt)
+                        else:  # a skipped row: zeros, without reading x or spending the SwiGLU on it
+                            for v in T.unroll(vec):
+                                ys[i * vec + v] = T.float32(0)
                     else:
-                        for v in T.vectorized(vec):
-                            xl[v] = x[row, ch + v]
-                        for v in T.vectorized(vec):
-                            xr[v] = x[row, H + ch + v]
-                    for v in T.unroll(vec):
-                        lv[0] = T.cast(xl[v], fp32)
-                        rv[0] = T.cast(xr[v], fp32)
-                        if clamp > 0:
-                            if count:
-                                if live:
-                                    cnt[0] = cnt[0] + T.if_then_else(lv[0] > const(clamp), 1, 0)
-                                    cnt[1] = cnt[1] + T.if_then_else(rv[0] > const(clamp), 1, 0)
-                                    cnt[2] = cnt[2] + T.if_then_else(rv[0] < const(-clamp), 1, 0)
-                            lv[0] = T.min(lv[0], const(clamp))
-                            rv[0] = T.max(T.min(rv[0], const(clamp)), const(-clamp))
-                        ys[i * vec + v] = T.ieee_fdiv(lv[0], T.ieee_add(T.float32(1), T.exp(-lv[0]))) * rv[0]
-                        if has_w:
-                            ys[i * vec + v] = ys[i * vec + v] * w[0]
+                        swiglu_chunk(x, row, col + (i * tpg + t) * vec, i, live, xl, xr, lv, rv, ys, w, cnt)
                 group_amax(ys, amax, red if wpg > 1 else None, tx)
                 amax[0] = T.max(amax[0], const(f32(shape["sf_clamp_min"])))
                 group_scale(amax, sf, inv, 0)
                 if p < total:
                     for i in T.unroll(cpt):
                         for v in T.vectorized(vec):
-                            out[row, col + (i * tpg + t) * vec + v] = T.cast(
-                                T.max(T.min(ys[i * vec + v] * inv[0], T.float32(FP8_MAX)), T.float32(-FP8_MAX)),
-                                fp8,
-                            )
+                            # No clamp to +-448 first: the cast saturates to the largest finite e4m3 (the same
+                            # values for finite inputs, two instructions an element fewer).
+                            out[row, col + (i * tpg + t) * vec + v] = T.cast(ys[i * vec + v] * inv[0], fp8)
                     if t == 0:
                         store_scale(scales, sf, pc, row, num_tokens)
             if count:

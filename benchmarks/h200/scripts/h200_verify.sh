@@ -32,6 +32,9 @@
 #             # measured once)
 #   warm      # a second exhaustive sinkhorn_bwd table (65536 tokens) and the warm-start replay on it, from the
 #             # committed 262144 table's fastest configs (issue: >= 2x fewer trials to come within 2%)
+#   sweeps    # sweep.py over slices of spaces, one per line of $SWEEPS_FILE: "NAME|shape|only|check-shape" (the
+#             # values of --shape, --only, --check-shape; each under $SWEEP_TIMEOUT, sweep_NAME_i.json / .txt),
+#             # then the benchmark table of $KERNELS if set
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -200,6 +203,18 @@ s9)
   else
     FILES=$FILES TEST_TIMEOUT=${TEST_TIMEOUT:-240} bash "$0" parallel
   fi
+  ;;
+sweeps)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  mapfile -t jobs < "$SWEEPS_FILE"
+  for i in "${!jobs[@]}"; do
+    IFS='|' read -r name shape only check <<< "${jobs[$i]}"
+    timeout -s INT -k 10 "${SWEEP_TIMEOUT:-120}" python benchmarks/h200/scripts/sweep.py "$name" --shape $shape \
+      ${only:+--only $only} ${check:+--check-shape $check} --json "$OUT/sweep_${name}_$i.json" \
+      > "$OUT/sweep_${name}_$i.txt" 2>&1; echo "rc=$?" >> "$OUT/sweep_${name}_$i.txt"
+    head -n 12 "$OUT/sweep_${name}_$i.txt"
+  done
+  [ -n "$KERNELS" ] && bash "$0" bench
   ;;
 bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile)
   timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py --isolate $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
