@@ -78,6 +78,9 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
                 rows.append(_row(name, label, impl, median(ts), rel_spread(ts), nbytes, ceiling, note))
             except Exception as e:  # one broken baseline must not lose the table
                 rows.append(_row(name, label, impl, None, None, nbytes, ceiling, f"failed: {type(e).__name__}: {e}"))
+                # said now too: a CUDA fault makes the next shape raise, and this kernel's rows are then lost
+                print(f"{name} {label} {impl}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                      file=sys.stderr)
     return rows
 
 

@@ -216,8 +216,9 @@ sweeps)
   done
   [ -n "$KERNELS" ] && bash "$0" bench
   ;;
-bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile)
-  timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py --isolate $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
+bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile; ISOLATE=0: one process, every row kept)
+  timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py $([ "${ISOLATE:-1}" = 0 ] || echo --isolate) \
+    $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     --kernels ${KERNELS//,/ } --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
   tail -n 80 "$OUT/bench.txt"
   ;;
