@@ -63,8 +63,10 @@ def refs(monkeypatch):
     return serve_references(monkeypatch, (FWD, BWD))
 
 
-LANES = {"layout": "lanes", "warps": 4, "tokens_per_warp": 2, "vec": 8, "block_tokens": 32, "block_k": 64, "stages": 1}
-MMA = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 64, "block_k": 128, "stages": 2}
+LANES = {"layout": "lanes", "warps": 4, "tokens_per_warp": 2, "vec": 8, "block_tokens": 32, "block_k": 64, "stages": 1,
+         "swizzle": False}
+MMA = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 64, "block_k": 128, "stages": 2,
+       "swizzle": False}
 BWD_LANES = {"layout": "lanes", "threads": 128, "vec": 2, "tile": 32, "warps": 4, "block_tokens": 64, "block_k": 64}
 BWD_MMA = {"layout": "mma", "threads": 128, "vec": 1, "tile": 32, "warps": 4, "block_tokens": 64, "block_k": 128}
 
@@ -72,8 +74,7 @@ BWD_MMA = {"layout": "mma", "threads": 128, "vec": 1, "tile": 32, "warps": 4, "b
 def test_registered_defaults_and_constraints():
     s = tkjit.get_spec(FWD)
     full = s.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
-    assert s.default_config(full, "sm_90a") == {"layout": "lanes", "warps": 4, "tokens_per_warp": 2, "vec": 8,
-                                                 "block_tokens": 32, "block_k": 64, "stages": 1}
+    assert s.default_config(full, "sm_90a") == LANES
     assert s.constraint(full, {**LANES, "tokens_per_warp": 8, "vec": 8}) is not None  # registers
     odd = s.canonical_shape({"num_tokens": 1, "mhc_mult3": 24, "mhc_hidden": 96})
     assert s.default_config(odd, "sm_90a")["vec"] == 1
@@ -85,6 +86,8 @@ def test_registered_defaults_and_constraints():
     assert "multiple of block_k" in s.constraint(odd, MMA)
     assert "does not use them" in s.constraint(full, {**MMA, "tokens_per_warp": 2})
     assert "does not use them" in s.constraint(full, {**LANES, "block_k": 128})
+    assert "does not use them" in s.constraint(full, {**LANES, "swizzle": True})
+    assert s.constraint(full, {**MMA, "swizzle": True}) is None
     with pytest.raises(ShapeError, match="multiple of 32"):
         tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 100}, arch="sm_90a")
     with pytest.raises(ConfigError):

@@ -94,7 +94,7 @@ def constraint(shape, c):
             return "layout=mma: the pipelined x and fn tiles exceed 160 KB of shared memory"
         return None
     if any(c[key] != val for key, val in MMA_ONLY.items()):
-        return "layout=lanes: block_tokens=32, block_k=64, stages=1 only (it does not use them)"
+        return "layout=lanes: block_tokens=32, block_k=64, stages=1, swizzle=False only (it does not use them)"
     if k % (32 * v):
         return f"vec={v}: mhc_hidden={k} is not a multiple of 32 * vec (one warp access of vec elements a lane)"
     if tpw * (m + 1) + tpw * v > 160:
@@ -104,9 +104,10 @@ def constraint(shape, c):
 
 MMA_N = 32  # the mma layout's GEMM width: fn's rows padded with zeros (M <= 32: mhc_mult up to 4)
 SPACE = {"layout": ("lanes", "mma"), "warps": (1, 2, 4, 8), "tokens_per_warp": (1, 2, 4, 8), "vec": VECS,
-         "block_tokens": (32, 64), "block_k": (64, 128, 256), "stages": (1, 2, 3)}
+         "block_tokens": (32, 64), "block_k": (64, 128, 256), "stages": (1, 2, 3), "swizzle": (False, True)}
 LANES_ONLY = {"tokens_per_warp": 1}  # the mma layout's value of what it does not use
-MMA_ONLY = {"block_tokens": 32, "block_k": 64, "stages": 1}  # the lanes layout's value of what it does not use
+MMA_ONLY = {"block_tokens": 32, "block_k": 64, "stages": 1, "swizzle": False}  # the lanes layout's value of what
+# it does not use
 
 
 def build(shape, c):
@@ -122,8 +123,10 @@ def _build_mma(shape, c):
     needs ~0.17 ms for 8192 x 28672 elements, more than reading them: 0.11 ms at the copy ceiling). The
     square sums come from the same float32 tile. fn is TF32 already (the op rounds it), bf16 x is exact in
     TF32 and their products exact in float32: only the order of the float32 sums differs from the lanes
-    layout's."""
+    layout's. `swizzle` stores the x tile in TileKernels' swizzled shared layout, which may spare the widening
+    copy to registers bank conflicts; the tuner decides."""
     from tilelang import language as T
+    from tilelang.layout import make_swizzled_layout
 
     M, K, eps = shape["mhc_mult3"], shape["mhc_hidden"], shape["norm_eps"]
     bm, bk, threads, stages = c["block_tokens"], c["block_k"], 32 * c["warps"], c["stages"]
@@ -148,6 +151,8 @@ def _build_mma(shape, c):
             for kk in T.Pipelined(K // bk, num_stages=stages):
                 xs = T.alloc_shared((bm, bk), bf16)
                 fs = T.alloc_shared((MMA_N, bk), f32)
+                if c["swizzle"]:  # TileKernels' layout of the x tile (see the docstring)
+                    T.annotate_layout({xs: make_swizzled_layout(xs)})
                 T.copy(x[bx * bm, kk * bk], xs)  # rows past num_tokens read as zeros, stored nowhere
                 for i, j in T.Parallel(MMA_N, bk):
                     fs[i, j] = T.if_then_else(i < M, fn[T.min(i, M - 1), kk * bk + j], T.float32(0))

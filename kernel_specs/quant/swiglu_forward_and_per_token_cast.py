@@ -74,9 +74,10 @@ def num_groups(shape) -> int:
 
 # bf16 groups of 128 (TileKernels' per-token group): two 16-byte loads of each half a thread, eight threads a group,
 # as 128-thread blocks of four groups a thread in turn where the clamp is counted (fewer blocks, fewer counter
-# atomics), else 256-thread blocks of one. Measured on an H100 (benchmarks/h200/2026-12-05_s15_h100_run1_sweep_swiglu_*):
-# the routed shape (69632 rows, counted) 237.6 us, the fastest of 48 configs, against 311.6 for per_token_cast's
-# default; 32768 dense rows 119.8 us, the fastest of 15, against 137.2. Other groups keep per_token_cast's default.
+# atomics), else 256-thread blocks of one. Measured on an H100
+# (benchmarks/h200/2026-12-05_s15_h100_run1_sweep_swiglu_*): the routed shape (69632 rows, counted) 237.6 us, the
+# fastest of 48 configs, against 311.6 for per_token_cast's default; 32768 dense rows 119.8 us, the fastest of 15,
+# against 137.2. Other groups keep per_token_cast's default.
 G128_COUNTED = {"vec": 16, "group_threads": 8, "threads": 128, "iters": 4}
 G128 = {"vec": 16, "group_threads": 8, "threads": 256, "iters": 1}
 

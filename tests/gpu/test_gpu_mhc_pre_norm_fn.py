@@ -66,11 +66,13 @@ def test_default_config(name, n0, n1, m, h):
         assert check(kern, shape, seed=seed) is None
 
 
-MMA = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 64, "block_k": 128, "stages": 2}
+MMA = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 64, "block_k": 128, "stages": 2,
+       "swizzle": False}
 
 
 @pytest.mark.parametrize("config", [MMA, {**MMA, "block_tokens": 32, "block_k": 64, "stages": 3},
-                                    {**MMA, "warps": 8, "block_k": 256, "stages": 1}], ids=str)
+                                    {**MMA, "warps": 8, "block_k": 256, "stages": 1},
+                                    {**MMA, "block_tokens": 32, "block_k": 256, "swizzle": True}], ids=str)
 @pytest.mark.parametrize("n0, n1, m, h", TK_SHAPES + [(1, 1, 4, 64), (1, 4001, 2, 128), (3, 33, 4, 256)], ids=str)
 def test_mma_layout(config, n0, n1, m, h):
     """The TF32 tensor-core layout (never measured before this test ran): tail blocks, partial tiles of tokens."""
