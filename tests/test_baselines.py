@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
@@ -31,3 +32,35 @@ def test_torch_baselines_build_on_the_cpu():
     for name, factory in baselines.TORCH.items():
         shape = tkjit.get_spec(name).canonical_shape(baselines.SHAPES[name][0])
         assert callable(factory(shape)), name
+
+
+@pytest.mark.parametrize("name, pos_arg", [("per_channel_cast_fused", 5), ("swiglu_forward_and_per_token_cast", 3)])
+def test_tile_kernels_get_only_map_entries_it_can_read(monkeypatch, name, pos_arg):
+    """The benchmark's odd seed puts out-of-range map entries in (zero rows in tkjit); TileKernels reads them
+    out of bounds (per_channel_cast_fused's benchmark process died of an illegal address on an H100), so its
+    baseline gets them as -1. A stand-in TileKernels records the map it was given."""
+    import types
+
+    seen = {}
+
+    def record(*args, **kw):
+        seen["pos"] = args[pos_arg]
+
+    fake = types.ModuleType("tile_kernels")
+    fake.quant = types.SimpleNamespace(per_channel_cast_fused=record, swiglu_forward_and_per_token_cast=record)
+    monkeypatch.setitem(sys.modules, "tile_kernels", fake)
+    monkeypatch.setitem(sys.modules, "tile_kernels.quant", fake.quant)
+    monkeypatch.setattr(baselines, "_tile_kernels", lambda: fake)
+    spec = tkjit.get_spec(name)
+    shape = next(s for s in baselines.SHAPES[name] if s.get("has_pos") or s.get("has_weights"))
+    small = {"num_tokens": 512, "num_tokens_out": 512} if name == "per_channel_cast_fused" else \
+        {"num_tokens": 512, "num_weights": 512}  # a bench shape, fewer rows
+    full = spec.canonical_shape({**shape, **small})
+    inputs = spec.make_inputs(full, seed=1)
+    limit = inputs[0].shape[0] if name == "per_channel_cast_fused" else inputs[2].numel()
+    raw = inputs[-1] if name == "per_channel_cast_fused" else inputs[1]
+    assert ((raw < -1) | (raw >= limit)).any()  # the seed does put such entries in
+    baselines.TILE_KERNELS[name](full, inputs)()
+    pos = seen["pos"]
+    assert ((pos >= -1) & (pos < limit)).all()
+    assert torch.equal(pos[(raw >= 0) & (raw < limit)], raw[(raw >= 0) & (raw < limit)])

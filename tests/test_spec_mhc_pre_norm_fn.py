@@ -74,7 +74,12 @@ BWD_MMA = {"layout": "mma", "threads": 128, "vec": 1, "tile": 32, "warps": 4, "b
 def test_registered_defaults_and_constraints():
     s = tkjit.get_spec(FWD)
     full = s.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
-    assert s.default_config(full, "sm_90a") == LANES
+    # TileKernels' tensor-core tile where it applies (mhc_mult3 <= 32, 64 | mhc_hidden), else the lanes layout
+    assert s.default_config(full, "sm_90a") == {**MMA, "block_tokens": 32, "block_k": 256, "swizzle": True}
+    assert s.default_config(s.canonical_shape({"num_tokens": 1, "mhc_mult3": 24, "mhc_hidden": 2 * 96}),
+                            "sm_90a")["block_k"] == 64
+    assert s.default_config(s.canonical_shape({"num_tokens": 1, "mhc_mult3": 80, "mhc_hidden": 32768}),
+                            "sm_90a") == {**LANES, "tokens_per_warp": 1}
     assert s.constraint(full, {**LANES, "tokens_per_warp": 8, "vec": 8}) is not None  # registers
     odd = s.canonical_shape({"num_tokens": 1, "mhc_mult3": 24, "mhc_hidden": 96})
     assert s.default_config(odd, "sm_90a")["vec"] == 1

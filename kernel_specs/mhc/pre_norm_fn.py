@@ -15,14 +15,14 @@ bf16 * TF32 product is exact in float32, so its GEMM is exactly float32 sums of 
 float32 products of it: the GEMM is 2 * M flops per bf16 element read (48 at mhc_mult 4). TileKernels'
 n_splits (split-K) is a hint its own op ignores (it sets n_splits = 1); so does this one.
 
-Two layouts (`layout`). "lanes" (the default): one warp per `tokens_per_warp` tokens: a lane walks the row's
+Two layouts (`layout`). "lanes" (the default where "mma" does not apply): one warp per `tokens_per_warp` tokens: a lane walks the row's
 columns lane * vec + 32 * vec * i, keeps M + 1 float32 sums per token (the mixes and the square sum), and the
 warp adds its lanes' sums with shuffles. A block holds `warps` warps; fn is read from global memory (L1/L2:
 1.5 MB at mhc_mult 4, hidden 4096), once per warp for its tokens_per_warp tokens. The GEMM's 2 * M flops an
 element then run on the CUDA cores' FMA pipe, which at mhc_mult 4 takes longer than reading x (~0.17 ms
 against ~0.11 ms for 8192 x 28672 on the H200: predicted from the FMA rate, not measured). "mma":
 TileKernels' approach, a TF32 tensor-core GEMM over tiles of block_tokens tokens (see _build_mma);
-mhc_mult3 <= 32. The tuner, behind its correctness gate, picks between them.
+mhc_mult3 <= 32, the default there. The tuner, behind its correctness gate, picks between them.
 float64 reference rounded once; rtol 1e-4 (TileKernels' test allows 1e-3): tensor cores add float32 in their
 own order and rounding (published measurements find truncation), and the mma layout measured 1.08e-5 at
 1024 tokens x 5120 on an H100. CUDA only.
@@ -68,9 +68,21 @@ def _widest_vec(k: int, cap: int = 8) -> int:
     return next(v for v in (8, 4, 2, 1) if v <= cap and k % (32 * v) == 0)
 
 
+MMA_DEFAULT = {"layout": "mma", "warps": 4, "tokens_per_warp": 1, "vec": 8, "block_tokens": 32, "stages": 2,
+               "swizzle": True}
+
+
 def default(shape):
-    # 8 bf16 (16 bytes) per lane access where the row allows; 2 tokens per warp share each fn load; 4 warps
-    # (8 tokens) a block: 8K tokens are 1024 blocks.
+    # The tensor-core layout where it applies, TileKernels' tile (32 tokens, 256 columns, two stages, swizzled x):
+    # the fastest (or within 3.4%) of 42 mma configs at 1024 and 4096 tokens x 16384 and 8192 x 28672 on an H100
+    # (benchmarks/h200/2026-12-05_s15_h100_run3_sweep_pre_norm_fn_*, before fn's tile was pipelined too); then,
+    # against the lanes layout: 1.4x at 1024 tokens, 3.1-3.9x from 4096 (2026-12-05_s15_h100_run4_bench.txt).
+    for bk in (256, 128, 64):
+        c = {**MMA_DEFAULT, "block_k": bk}
+        if constraint(shape, c) is None:
+            return c
+    # Else lanes: 8 bf16 (16 bytes) per lane access where the row allows; 2 tokens per warp share each fn load;
+    # 4 warps (8 tokens) a block: 8K tokens are 1024 blocks.
     tpw = 2 if shape["mhc_mult3"] <= 40 else 1
     return {"layout": "lanes", "warps": 4, "tokens_per_warp": tpw, "vec": _widest_vec(shape["mhc_hidden"]),
             **MMA_ONLY}
@@ -154,8 +166,10 @@ def _build_mma(shape, c):
                 if c["swizzle"]:  # TileKernels' layout of the x tile (see the docstring)
                     T.annotate_layout({xs: make_swizzled_layout(xs)})
                 T.copy(x[bx * bm, kk * bk], xs)  # rows past num_tokens read as zeros, stored nowhere
-                for i, j in T.Parallel(MMA_N, bk):
-                    fs[i, j] = T.if_then_else(i < M, fn[T.min(i, M - 1), kk * bk + j], T.float32(0))
+                # fn's M rows and MMA_N - M more: the copy's bounds check leaves those rows zero (or any value:
+                # they only meet GEMM columns >= M, which are never stored). A plain copy, so the pipeline
+                # fetches it asynchronously with x; filled element-wise it was a synchronous load a step.
+                T.copy(fn[0, kk * bk], fs)
                 xh = T.alloc_fragment((bm, bk), bf16)
                 T.copy(xs, xh)
                 xf = T.alloc_fragment((bm, bk), f32)

@@ -79,7 +79,10 @@ def test_against_tile_kernels(n0, n1, m, h):
         oracle = tk.modeling.mhc.ops.mhc_pre_big_fuse(residual, fn, scale, base, *EPS.values())
     except Exception as e:  # a TileKernels compile failure skips only this comparison
         pytest.skip(f"TileKernels' mhc_pre_big_fuse failed: {type(e).__name__}: {e}")
-    for name, a, b, tol in zip(names, got, oracle, (1e-5, 1e-5, BF16_RTOL)):
+    # comb_mix: the default Sinkhorn multiplies by reciprocals where TileKernels' kernel divides; over its 20
+    # normalisations that moved comb by 2.1e-5 and 2.9e-5 (relative L2) at 2 x 4096 and 8192 tokens on an H100,
+    # the same bound as against TileKernels' torch chain above (tkjit's own unfused ops: bit for bit).
+    for name, a, b, tol in zip(names, got, oracle, (1e-5, 1e-4, BF16_RTOL)):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel(a, b) < tol, name
 
