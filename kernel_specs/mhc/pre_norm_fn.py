@@ -15,12 +15,11 @@ bf16 * TF32 product is exact in float32, so its GEMM is exactly float32 sums of 
 float32 products of it: the GEMM is 2 * M flops per bf16 element read (48 at mhc_mult 4). TileKernels'
 n_splits (split-K) is a hint its own op ignores (it sets n_splits = 1); so does this one.
 
-Two layouts (`layout`). "lanes" (the default where "mma" does not apply): one warp per `tokens_per_warp` tokens: a lane walks the row's
-columns lane * vec + 32 * vec * i, keeps M + 1 float32 sums per token (the mixes and the square sum), and the
-warp adds its lanes' sums with shuffles. A block holds `warps` warps; fn is read from global memory (L1/L2:
-1.5 MB at mhc_mult 4, hidden 4096), once per warp for its tokens_per_warp tokens. The GEMM's 2 * M flops an
-element then run on the CUDA cores' FMA pipe, which at mhc_mult 4 takes longer than reading x (~0.17 ms
-against ~0.11 ms for 8192 x 28672 on the H200: predicted from the FMA rate, not measured). "mma":
+Two layouts (`layout`). "lanes" (the default where "mma" does not apply): one warp per `tokens_per_warp`
+tokens: a lane walks the row's columns lane * vec + 32 * vec * i, keeps M + 1 float32 sums per token (the mixes
+and the square sum), and the warp adds its lanes' sums with shuffles. A block holds `warps` warps; fn is read
+from global memory (L1/L2: 1.5 MB at mhc_mult 4, hidden 4096), once per warp for its tokens_per_warp tokens:
+3 GB from L2 at 4096 x 16384 by that count; this layout measured 1.4-3.9x slower than "mma" on an H100. "mma":
 TileKernels' approach, a TF32 tensor-core GEMM over tiles of block_tokens tokens (see _build_mma);
 mhc_mult3 <= 32, the default there. The tuner, behind its correctness gate, picks between them.
 float64 reference rounded once; rtol 1e-4 (TileKernels' test allows 1e-3): tensor cores add float32 in their
