@@ -42,6 +42,11 @@ def _row(kernel, shape, impl, us, sp, nbytes, ceiling, note=""):
     }
 
 
+def _said(e: Exception) -> str:
+    """An error in one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: bool) -> list[dict]:
     spec = tkjit.get_spec(name)
     rows = []
@@ -79,8 +84,7 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
             except Exception as e:  # one broken baseline must not lose the table
                 rows.append(_row(name, label, impl, None, None, nbytes, ceiling, f"failed: {type(e).__name__}: {e}"))
                 # said now too: a CUDA fault makes the next shape raise, and this kernel's rows are then lost
-                print(f"{name} {label} {impl}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                      file=sys.stderr)
+                print(f"{name} {label} {impl}: {_said(e)}", file=sys.stderr)
     return rows
 
 
@@ -170,7 +174,7 @@ def main() -> int:
             rows += bench_kernel(name, shapes[name], args.reps, ceiling, not args.no_compile)
         except Exception as e:  # the table so far is kept; a CUDA fault poisons the context: stop there
             rows.append(_row(name, "-", "-", None, None, 0, ceiling, f"failed: {type(e).__name__}: {e}"))
-            print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+            print(f"{name}: {_said(e)}", file=sys.stderr)
             if isinstance(e, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(e):
                 print("CUDA context lost: the kernels after this one are not measured", file=sys.stderr)
                 break

@@ -102,24 +102,20 @@ def build(shape, c):
     vec, lanes, chunk, chunks = g.vec, g.lanes, g.chunk, g.chunks
     R, U, threads, mw = c["rows"], c["unroll"], c["threads"], c["mix_warp"]
     rms_eps = shape["rms_eps"]
-    load, mixes, stores = forward_blocks(segs, MIX_VEC, shape["mhc_pre_eps"], shape["mhc_post_mult_value"])
+    _, mixes, stores = forward_blocks(segs, MIX_VEC, shape["mhc_pre_eps"], shape["mhc_post_mult_value"])
     sinkhorn = _common.sinkhorn_block(m, shape["sinkhorn_repeat"], shape["mhc_sinkhorn_eps"], c["recip"])
     store_mat = _common.token_blocks(m, shape["mhc_sinkhorn_eps"], c["recip"]).store
     mix_lane = mix_chunk(m, g, U)
     num_tokens = T.dynamic("num_tokens")
     f32, bf16 = T.float32, T.bfloat16
 
-    pv = vec_of(m, MIX_VEC)  # floats per access of a row's first m mixes (the pre segment)
-
     @T.macro
     def normed(r, out_mul, sqrsum, t64, rms, n):
-        """r[:n] = the token's first n GEMM outputs times its RMS norm (n = W: the whole row)."""
-        if n == W:
-            load(r, out_mul, t64)
-        else:
-            for c in T.unroll(n // pv):
-                for e in T.vectorized(pv):
-                    r[c * pv + e] = out_mul[t64, c * pv + e]
+        """r[:n] = the token's first n GEMM outputs times its RMS norm (n = W: the whole row; m: the pre mixes)."""
+        v = vec_of(n, MIX_VEC)
+        for c in T.unroll(n // v):
+            for e in T.vectorized(v):
+                r[c * v + e] = out_mul[t64, c * v + e]
         rms[0] = T.rsqrt(sqrsum[t64] / T.float32(K) + T.float32(rms_eps))
         for j in T.unroll(n):
             r[j] = r[j] * rms[0]
