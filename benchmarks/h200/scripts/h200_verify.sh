@@ -35,6 +35,10 @@
 #   sweeps    # sweep.py over slices of spaces, one per line of $SWEEPS_FILE: "NAME|shape|only|check-shape" (the
 #             # values of --shape, --only, --check-shape; each under $SWEEP_TIMEOUT, sweep_NAME_i.json / .txt),
 #             # then the benchmark table of $KERNELS if set
+#   compat    # tests/gpu/test_gpu_compat_tile_kernels.py (TileKernels' parametrisations against the real package)
+#             # in 11 processes split by hidden size and expert count: each process builds its share of
+#             # TileKernels' ~500 kernels, one at a time (tkjit's come from .gpu/prebuilt.tgz), then the
+#             # benchmark table of the five compat ops (COMPILE=1 adds torch.compile)
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -189,6 +193,16 @@ catalog)
   fi
   for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -E "passed|failed|rc=|^FAILED|^ERROR" "$f" | tail -n 12; done
   [ -f "$OUT/pretune.txt" ] && tail -n 30 "$OUT/pretune.txt"; [ -f "$OUT/bench.txt" ] && tail -n 40 "$OUT/bench.txt"
+  ;;
+compat)
+  F=compat_tile_kernels; p=""
+  for h in 576 2048 2560 3072 4096 6144 7168; do p="$p$F:per_token_cast and -$h-;"; done
+  FILES="$p$F:topk and (-16- or -32- or -36- or -64- or -72-);$F:topk and (-96- or -108- or -128- or -144- or -160-)"
+  FILES="$FILES;$F:topk and (-256- or -288- or -384- or -512-)"
+  FILES="$FILES;$F:not per_token_cast_matches and not e2m1_matches and not topk_gate_is_bit_exact"
+  FILES="$FILES" TEST_TIMEOUT=${TEST_TIMEOUT:-360} bash "$0" parallel
+  KERNELS=sinkhorn_fwd,sinkhorn_bwd,topk_gate,per_token_cast,transpose,per_token_cast_e2m1,per_token_cast_e2m1_colmajor
+  KERNELS=$KERNELS,per_token_cast_e5m6,per_token_cast_e5m6_colmajor BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash "$0" bench
   ;;
 s9)
   case "${PART:-tests1}" in
