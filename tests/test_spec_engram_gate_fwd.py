@@ -100,7 +100,7 @@ def test_reference_matches_tile_kernels_formula(seed):
     diff = (ref[0].float() - want[0].float()).abs()
     assert float((diff > 0).float().mean()) < 1e-3
     scale = ins[0].float().abs() + ins[2].float().abs().unsqueeze(1)  # |x| + |v| >= |x + gate * v|
-    assert bool((diff <= scale * 2**-8).all())
+    assert bool((diff <= scale * 2**-7).all())  # one bf16 ulp of |out| <= scale (8 significant bits)
     for r, w in zip(ref[1:], want[1:]):
         torch.testing.assert_close(r, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
 
