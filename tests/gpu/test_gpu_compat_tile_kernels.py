@@ -26,6 +26,8 @@ needs it), hidden 576..7168, expert counts 16..512 and the non-powers of two 36,
 from __future__ import annotations
 
 import inspect
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +37,9 @@ import tkjit.compat.tile_kernels as compat
 from tkjit.arch import arch_of
 from tkjit.pool import compile_many
 from tkjit.tuning_db import choose_config
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import tk_kernel_or_none as _tk_kernel  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 
@@ -232,16 +237,6 @@ def _codes_close(q, q_tk):
     diff = a != b
     assert diff.float().mean().item() < 1e-3 if a.numel() else True
     assert ((a[diff] - b[diff]).abs() <= 1).all()
-
-
-def _tk_kernel(fn, *args, **kwargs):
-    """TileKernels' kernel fn(*args, **kwargs), or None where it fails to build or run on this host (then only
-    that comparison is skipped, with the reason printed)."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # a TileLang / compile failure inside TileKernels, not tkjit's
-        print(f"TileKernels' kernel failed: {type(e).__name__}: {e}")
-        return None
 
 
 def _assert_same(a, b):

@@ -2,6 +2,9 @@
 config of the space at a few, bit-exact against the spec references with poisoned outputs; the compat layer against
 TileKernels' torch reference (bit-exact) and its kernels (layouts, strides); torch.compile and opcheck."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +12,9 @@ import tkjit
 import tkjit.ops
 from tkjit.testing import check, check_configs
 from tkjit.timing import median, time_cuda
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
+from quant_checks import tk_kernel_or_none as _tk_kernel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 NAME, COLMAJOR, WITH_SF = "per_block_cast", "per_block_cast_colmajor", "per_block_cast_with_sf"
@@ -269,16 +275,6 @@ def test_compat_matches_tile_kernels_kernel(shared_cache, n, hidden, block, col,
         given = tk.quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf_tk)
         mine = tkc.quant.per_block_cast_with_precomputed_sf(x, "e4m3", block, sf_tk)
         assert (mine.view(torch.uint8) != given.view(torch.uint8)).float().mean().item() < 1e-3
-
-
-def _tk_kernel(fn, *args):
-    """TileKernels' kernel fn(*args), or None where it fails to build or run on this host (skips only that
-    comparison)."""
-    try:
-        return fn(*args)
-    except Exception as e:  # a TileLang / compile failure inside TileKernels, not ours
-        print(f"TileKernels' kernel failed: {type(e).__name__}: {e}")
-        return None
 
 
 @pytest.mark.parametrize("col, round_sf, packed", OPTIONS)

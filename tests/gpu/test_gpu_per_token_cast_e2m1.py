@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
 from quant_checks import check_every_config
 from quant_checks import float_bits as _bits  # noqa: E402
 from quant_checks import param_id as _id
+from quant_checks import tk_kernel_or_none as _tk_kernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME, COLMAJOR = "per_token_cast_e2m1", "per_token_cast_e2m1_colmajor"
@@ -144,16 +145,6 @@ def _same(a, b):
     if a.dtype == torch.float32:
         return torch.equal(a.view(torch.int32), b.view(torch.int32))
     return torch.equal(a, b)
-
-
-def _tk_kernel(fn, *args, **kwargs):
-    """TileKernels' kernel fn(*args, **kwargs), or None where it fails to build or run on this host (skips only
-    that comparison)."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # a TileLang / compile failure inside TileKernels, not ours
-        print(f"TileKernels' kernel failed: {type(e).__name__}: {e}")
-        return None
 
 
 LAYOUTS = [  # (use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
