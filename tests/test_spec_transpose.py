@@ -135,6 +135,7 @@ def test_reference_and_inputs():
          {"block_rows": 64, "block_cols": 64, "threads": 128, "vec_bytes": 8, "swizzle": False,
           "min_threads_per_sm": 0, "raster": "rows"}),
         ("batched_transpose", {"dtype": "bfloat16", "cols": 2048, "rows": 1000, "batch": 4}, None),
+        ("transpose", {"dtype": "bfloat16", "cols": 576, "rows": 4001}, None),
     ],
 )
 def test_compiles_for_sm90a(name, shape, config):
@@ -147,6 +148,10 @@ def test_compiles_for_sm90a(name, shape, config):
     if shape["cols"] % 8 == 0:
         assert vec_types.get("x") == want
     assert "__syncthreads" in src
+    # Where y's rows are not vector-aligned (rows % 8 for bf16), interior tiles store one element a lane, lanes
+    # along y's row (threadIdx.x & (block_rows - 1)), unchecked: a warp writes whole 64-byte runs.
+    if name == "transpose" and shape["cols"] == 576:
+        assert re.search(r"\n\s*y\[[^;]*\(int64_t\)127\)\)\] = s\[", src), "element path: lanes along y's rows"
 
 
 # -- real runs on the C target ---------------------------------------------------------------------
@@ -156,6 +161,7 @@ CPU_CASES = [
     ("float32", 5, [3, 4001]),
     ("float32", 129, [65, 1, 256]),
     ("float32", 64, [128, 200]),
+    ("float32", 128, [4001, 130]),  # interior tiles whose y rows are not vector-aligned: element-wise stores
     ("uint8", 129, [65, 256]),
     ("uint8", 256, [512]),
     ("int16", 7, [33]),

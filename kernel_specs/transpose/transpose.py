@@ -177,10 +177,12 @@ def _build(shape, c, batched):
             else:  # consecutive blocks walk down x's rows (along a band of y's rows)
                 r0 = (bid % T.ceildiv(rows, br)) * br
                 c0 = (bid // T.ceildiv(rows, br)) * bc
+            # interior: the tile lies wholly inside x (unchecked vector loads); aligned: y's rows also start on
+            # a k-element vector (rows % k == 0), so the stores can be whole vectors too.
             if col_tail:
-                fast = (r0 + br <= rows) and (rows % k == 0) and (c0 + bc <= cols)
+                fast = (r0 + br <= rows) and (c0 + bc <= cols)
             else:
-                fast = (r0 + br <= rows) and (rows % k == 0)
+                fast = r0 + br <= rows
             # 1-2: micro-tiles of x -> registers -> transposed into the shared tile.
             for t in T.Parallel(nt):
                 for it in T.unroll(per_thread_in):
@@ -204,20 +206,26 @@ def _build(shape, c, batched):
                     for v in T.unroll(k):
                         for w in T.vectorized(k):
                             s[mj * k + v, swz(mi, mj * k + v) * k + w] = tmpt[v, w]
-            # 3: the shared tile (y's layout) -> y, lanes along y's rows.
+            # 3: the shared tile (y's layout) -> y, lanes along y's rows: k-wide vectors where y's rows start
+            # vector-aligned, else one element a lane (a warp still writes whole consecutive runs), bounds
+            # checked only on edge tiles.
+            vec_out = fast and (rows % k == 0)
             for t in T.Parallel(nt):
                 for it in T.unroll(per_thread_out):
                     m = it * nt + t
                     q = m % chunks
                     row = m // chunks
-                    if fast:
+                    if vec_out:
                         T.assume(rows % k == 0)  # y's rows start vector-aligned
                         for w in T.vectorized(k):
                             y[ix(bz, c0 + row, r0 + q * k + w)] = s[row, swz(q, row) * k + w]
-                    elif c0 + row < cols:
+                    else:  # the same number of elements, lane t taking element t of each run of nt
                         for w in T.unroll(k):
-                            if r0 + q * k + w < rows:
-                                y[ix(bz, c0 + row, r0 + q * k + w)] = s[row, swz(q, row) * k + w]
+                            e = (it * k + w) * nt + t
+                            er = e // br
+                            ec = e % br
+                            if fast or ((c0 + er < cols) and (r0 + ec < rows)):
+                                y[ix(bz, c0 + er, r0 + ec)] = s[er, swz(ec // k, er) * k + ec % k]
 
     return transpose
 
