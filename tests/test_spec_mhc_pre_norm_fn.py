@@ -4,7 +4,6 @@ their references for the op tests (autograd, fuse_grad_acc, main_grad, opcheck, 
 compat entry point."""
 
 import inspect
-import shutil
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.torch_ops import tf32_round
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from ptxas import ptxas_usage  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("module_cache")
@@ -195,25 +195,6 @@ def test_backward_mma_layout_compiles_to_tf32_tensor_core_gemms_for_sm90a(config
     assert src.count("mma_sync<tl::DataType::kTensorFloat32") >= 2 and "cp_async" in src
     usage = ptxas_usage(k.path / "kernel.cu")
     assert usage["registers"] <= 255 and usage["spill"] == 0, usage
-
-
-def ptxas_usage(cu):
-    """ptxas -v's registers and spill bytes of a generated kernel, compiled as TileLang compiles it."""
-    import re
-    import subprocess
-
-    import tilelang
-
-    root = Path(tilelang.__file__).parent
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc")
-    r = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-o", "/dev/null", "-Xptxas", "-v", "-std=c++17", "-w",
-                        f"-I{root / 'src'}", f"-I{root / '3rdparty' / 'cutlass' / 'include'}", str(cu)],
-                       capture_output=True, text=True, check=True)
-    regs = [int(v) for v in re.findall(r"Used (\d+) registers", r.stderr)]
-    spill = [int(v) for v in re.findall(r"(\d+) bytes spill stores", r.stderr)]
-    return {"registers": max(regs), "spill": sum(spill)}
 
 
 def test_tf32_round_is_tile_kernels_rounding_then_truncation():

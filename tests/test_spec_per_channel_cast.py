@@ -19,9 +19,11 @@ from tkjit.registry import get_spec
 from tkjit.spec import validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from ptxas import ptxas_usage  # noqa: E402
 from quant_checks import byte_same as _same  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
+NO_HINT = {"min_threads_per_sm": 0}  # the staged layout's occupancy hint, off
 CAST = "per_channel_cast"
 TRANSPOSE = "per_channel_cast_and_transpose"
 NAMES = (CAST, TRANSPOSE)
@@ -68,7 +70,7 @@ def test_default_heuristics():
     cast, tr = get_spec(CAST), get_spec(TRANSPOSE)
     full = cast.canonical_shape(_shape(hidden=7168))
     # TileKernels' design: 128 tokens x 128 channels, 256 threads, 4 channels a thread, x staged in shared memory
-    assert cast.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem"}
+    assert cast.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}
     full = tr.canonical_shape(_shape(hidden=7168))
     assert tr.default_config(full) == {"block_tokens": 128, "block_ch": 128, "threads": 256, "vec_bytes": 16,
                                        "out_vec": 16, "swizzle": True}
@@ -96,21 +98,21 @@ def test_bad_configs():
     cast, tr = get_spec(CAST), get_spec(TRANSPOSE)
     full = cast.canonical_shape(_shape(in_dtype="float32"))
     with pytest.raises(ConfigError, match="at most 32 bytes"):
-        cast.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs"})
+        cast.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs", **NO_HINT})
     with pytest.raises(ConfigError, match="spill"):
         cast.check_config(cast.canonical_shape(_shape(hidden=7168)), {"vec": 16, "ch_threads": 32, "threads": 128,
-                                                                      "stage": "regs"})
+                                                                      "stage": "regs", **NO_HINT})
     with pytest.raises(ConfigError, match="do not divide num_per_tokens"):
-        cast.check_config(cast.canonical_shape(_shape(num_per_tokens=32)), {"vec": 4, "ch_threads": 4,
-                                                                             "threads": 512, "stage": "regs"})
+        cast.check_config(cast.canonical_shape(_shape(num_per_tokens=32)),
+                          {"vec": 4, "ch_threads": 4, "threads": 512, "stage": "regs", **NO_HINT})
     with pytest.raises(ConfigError, match="missing"):
         cast.check_config(full, {"vec": 4, "ch_threads": 32, "threads": 256})
     # The staged tile: a warp's lanes along one row fill whole 128-byte wavefronts; two blocks an SM at least.
     wide = cast.canonical_shape(_shape(hidden=7168))
     with pytest.raises(ConfigError, match="bank conflicts"):
-        cast.check_config(wide, {"vec": 4, "ch_threads": 8, "threads": 256, "stage": "smem"})
+        cast.check_config(wide, {"vec": 4, "ch_threads": 8, "threads": 256, "stage": "smem", **NO_HINT})
     with pytest.raises(ConfigError, match="shared memory"):
-        cast.check_config(wide, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "smem"})
+        cast.check_config(wide, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT})
     with pytest.raises(ConfigError, match="CUDA targets only"):
         cast.check_config(full, cast.default_config(full), "cpu")
     full = tr.canonical_shape(_shape(hidden=7168))
@@ -421,9 +423,11 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented(name):
 @pytest.mark.parametrize("name, shape, config", [
     (CAST, {"hidden": 7168}, None),  # the DeepSeek default: bf16, 128 tokens per scale
     (CAST, {"hidden": 576, "num_per_tokens": 32, "in_dtype": "float32", "round_scale": True}, None),
-    (CAST, {"hidden": 208}, {"vec": 8, "ch_threads": 8, "threads": 128, "stage": "regs"}),  # channel tail (208 % 64)
+    # channel tail (208 % 64)
+    (CAST, {"hidden": 208}, {"vec": 8, "ch_threads": 8, "threads": 128, "stage": "regs", **NO_HINT}),
     (CAST, {"hidden": 208}, None),  # the staged tile with a channel tail (208 % 128)
-    (CAST, {"hidden": 2048, "in_dtype": "float32"}, {"vec": 8, "ch_threads": 16, "threads": 512, "stage": "smem"}),
+    (CAST, {"hidden": 2048, "in_dtype": "float32"},
+     {"vec": 8, "ch_threads": 16, "threads": 512, "stage": "smem", **NO_HINT}),
     (TRANSPOSE, {"hidden": 7168}, None),
     (TRANSPOSE, {"hidden": 576, "num_per_tokens": 32, "round_scale": True}, None),  # channel tail, 4 blocks a tile
     (TRANSPOSE, {"hidden": 2048, "in_dtype": "float32"}, {"block_tokens": 128, "block_ch": 32, "threads": 128,
@@ -442,6 +446,42 @@ def test_compiles_for_sm90a(cache_dir, name, shape, config):
         lanes = shape.get("num_per_tokens", 128) // k.config["out_vec"]
         assert ("__shfl_xor_sync" in src) == (lanes > 1)
     assert src.count("scales[") + src.count("(scales +") >= 1
+
+
+def test_occupancy_hint_rules():
+    cast = get_spec(CAST)
+    wide = cast.canonical_shape(_shape(hidden=7168))
+    smem = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem"}
+    assert cast.constraint(wide, {**smem, "min_threads_per_sm": 2048}) is None  # 8 blocks of 20 KiB
+    assert "stage='smem'" in cast.constraint(wide, {**smem, "stage": "regs", "min_threads_per_sm": 1024})
+    assert "at least two blocks" in cast.constraint(wide, {**smem, "threads": 512, "ch_threads": 32,
+                                                           "min_threads_per_sm": 512})
+    assert "multiple of threads" in cast.constraint(wide, {**smem, "min_threads_per_sm": 1000})
+    # 8 blocks of 128 x 128 bf16 (32 KiB) + their maxima (4 KiB) do not fit an SM's 228 KiB
+    assert "do not fit an SM" in cast.constraint(wide, {**smem, "ch_threads": 32, "min_threads_per_sm": 2048})
+    hinted = [c for c in cast.configs(wide) if c["min_threads_per_sm"]]
+    assert hinted and all(c["stage"] == "smem" for c in hinted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, hint", [(CAST, 2048), ("per_channel_cast_fused", 1536),
+                                        ("swiglu_forward_and_per_channel_cast", 2048)])
+def test_occupancy_hint_caps_registers(cache_dir, name, hint):
+    """min_threads_per_sm at 256 threads: __launch_bounds__(256, hint / 256), so ptxas fits that many blocks an SM
+    (2048: 32 registers a thread, 1536: 40; the fused gather keeps a row index and needs the 40) without
+    spilling; unhinted, the unrolled loads take more."""
+    shape = {"token_blocks": 33, "hidden": 7168}
+    if name == "per_channel_cast_fused":
+        shape = {"num_tokens_out": 4096, "num_tokens": 4096, "hidden": 7168}
+    cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": hint}
+    k = tkjit.get(name, shape, arch="sm_90a", config=cfg)
+    src = (k.path / "kernel.cu").read_text()
+    assert f"__launch_bounds__(256, {hint // 256})" in src
+    usage = ptxas_usage(k.path / "kernel.cu")
+    assert usage["registers"] <= 65536 // hint and usage["spill"] == 0, usage
+    plain = tkjit.get(name, shape, arch="sm_90a", config={**cfg, "min_threads_per_sm": 0})
+    assert "__launch_bounds__(256, 1)" in (plain.path / "kernel.cu").read_text()
+    assert ptxas_usage(plain.path / "kernel.cu")["registers"] > 65536 // hint
 
 
 def test_space_has_every_tile_kernels_shape():

@@ -18,6 +18,7 @@ from tkjit.spec import validate
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from reference_kernels import serve_references  # noqa: E402
 
+NO_HINT = {"min_threads_per_sm": 0}  # the staged layout's occupancy hint, off
 NAME = "per_channel_cast_fused"
 FP8 = "float8_e4m3fn"
 
@@ -51,9 +52,9 @@ def test_default_heuristics():
     spec = get_spec(NAME)
     # TileKernels' block: 256 threads, 32 along a row with 8-byte vectors (128 channels of bf16, 256 of FP8)
     full = spec.canonical_shape(_shape(hidden=7168, has_pos=True, num_tokens_out=4096))
-    assert spec.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem"}
+    assert spec.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True, has_pos=True))
-    assert spec.default_config(full) == {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem"}
+    assert spec.default_config(full) == {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}
     assert len(spec.configs(full)) > 20
     assert {c["stage"] for c in spec.configs(full)} == {"regs", "smem"}
     # the register tile's default where no staged tile fits: 16 channels of float32 x 32 rows per scale
@@ -64,14 +65,15 @@ def test_default_heuristics():
 def test_smem_constraint():
     spec = get_spec(NAME)
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True, has_pos=True))
-    smem = {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem"}
+    smem = {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}
     assert spec.constraint(full, smem) is None
     # FP8: 4-byte vectors x 32 lanes fill a 128-byte wavefront, 4 x 16 lanes do not
     assert spec.constraint(full, {**smem, "vec": 4}) is None
     assert "bank conflicts" in spec.constraint(full, {**smem, "vec": 4, "ch_threads": 16})
-    assert "shared memory" in spec.constraint(full, {"vec": 16, "ch_threads": 64, "threads": 512, "stage": "smem"})
+    assert "shared memory" in spec.constraint(full, {"vec": 16, "ch_threads": 64, "threads": 512, "stage": "smem",
+                                                     **NO_HINT})
     bf16 = spec.canonical_shape(_shape(hidden=7168, has_pos=True))
-    assert spec.constraint(bf16, {"vec": 8, "ch_threads": 16, "threads": 128, "stage": "smem"}) is None
+    assert spec.constraint(bf16, {"vec": 8, "ch_threads": 16, "threads": 128, "stage": "smem", **NO_HINT}) is None
 
 
 @pytest.mark.parametrize("in_dtype", ["bfloat16", "float32", FP8])
@@ -116,9 +118,9 @@ def test_bad_configs():
     spec = get_spec(NAME)
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True))
     with pytest.raises(ConfigError, match="spill"):  # 16 rows of 16 FP8 channels a thread
-        spec.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs"})
+        spec.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs", **NO_HINT})
     with pytest.raises(ConfigError, match="bank conflicts"):
-        spec.check_config(full, {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem"})
+        spec.check_config(full, {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", **NO_HINT})
     with pytest.raises(ConfigError, match="CUDA targets only"):
         spec.check_config(full, spec.default_config(full), "cpu")
 
@@ -420,12 +422,12 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented():
     ({"hidden": 7168, "in_dtype": FP8, "has_x_sf": True, "has_pos": True, "round_scale": True}, None),
     ({"hidden": 4096, "in_dtype": FP8, "has_x_sf": True}, None),  # no map: num_tokens_out == num_tokens
     ({"hidden": 576, "num_per_tokens": 32, "in_dtype": "float32", "has_pos": True},
-     {"vec": 4, "ch_threads": 32, "threads": 128, "stage": "regs"}),  # a channel tail (576 % 128)
+     {"vec": 4, "ch_threads": 32, "threads": 128, "stage": "regs", **NO_HINT}),  # a channel tail (576 % 128)
     # the staged tile with a channel tail: FP8 with a map (640 % 256), bf16 (576 % 128)
     ({"hidden": 640, "in_dtype": FP8, "has_x_sf": True, "has_pos": True},
-     {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem"}),
+     {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}),
     ({"hidden": 576, "num_per_tokens": 32, "has_pos": True}, {"vec": 4, "ch_threads": 32, "threads": 256,
-                                                              "stage": "smem"}),
+                                                              "stage": "smem", **NO_HINT}),
 ])
 def test_compiles_for_sm90a(cache_dir, shape, config):
     n = 4096

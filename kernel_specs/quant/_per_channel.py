@@ -8,7 +8,9 @@ block (num_per_tokens, 1)):
     scale = amax / 448                      (IEEE division; the dequantisation factor, stored)
     round_scale: scale = 2^ceil(log2(scale)) (UE8M0: exponent rounded up), inv = 1 / scale
     else:        inv = 448 / amax
-    out   = fp8_e4m3(clamp(x * inv, -448, 448))   (round to nearest even)
+    out   = fp8_e4m3(clamp(x * inv, -448, 448))   (round to nearest even; the kernels' conversion saturates to
+                                               +-448 by itself, so they spend no clamp: the same values for
+                                               finite and infinite products, and NaN stays NaN as in torch)
 scales is (num_tokens / num_per_tokens, hidden) float32, row-major, as TileKernels returns it; the
 values are (num_tokens, hidden) (per_channel_cast) or transposed, (hidden, num_tokens)
 (per_channel_cast_and_transpose). Bit-exact with TileKernels' torch reference `cast(x, 'e4m3',
@@ -34,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tkjit.spec import Runtime, Static, TensorArg, Tolerance, cuda_only
-from tkjit_kernels.quant._scale import scale_macro, ue8m0_ceil
+from tkjit_kernels.quant._scale import scale_macro, ue8m0_ceil, unrounded_scale
 
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4
@@ -147,7 +149,7 @@ def scale_blocks(round_scale: bool):
 
     scale_and_inv(amax, sf, inv, e)  amax[e] (the block's max |x|) -> clamped; sf[e] the stored scale,
                                      inv[e] the factor the values are multiplied by (IEEE divisions)
-    quantise(v, inv_e)               the FP8 value of v (any float type) times inv_e, clamped to +-448
+    quantise(v, inv_e)               the FP8 value of v (any float type) times inv_e, saturated to +-448
     """
     from tilelang import language as T
 
@@ -160,7 +162,9 @@ def scale_blocks(round_scale: bool):
         group_scale(amax, sf, inv, e)
 
     def quantise(v, inv_e):
-        return T.cast(T.max(T.min(T.cast(v, f32) * inv_e, f32(FP8_MAX)), f32(-FP8_MAX)), T.float8_e4m3fn)
+        # No clamp to +-448 first: the e4m3 conversion (cvt.rn.satfinite) saturates by itself, two instructions an
+        # element fewer, which the SwiGLU casts (compute-bound) feel.
+        return T.cast(T.cast(v, f32) * inv_e, T.float8_e4m3fn)
 
     return scale_and_inv, quantise
 
@@ -195,11 +199,15 @@ def tile_of(shape, c) -> Tile:
     return Tile(tok_threads, shape["num_per_tokens"] // tok_threads, block_ch, -(-h // block_ch), h % block_ch != 0)
 
 
-def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable):
+def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable, round_scale: bool):
     """The reduction every per-channel cast block ends with: each thread's partial maxima of its vec channels
     (from channel cc of the tile) to shared memory, one barrier, then every thread folds the tok_threads partial
-    maxima of its own channels and makes their scales and inverses (no second barrier, no broadcast)."""
+    maxima of its own channels and makes their factors (no second barrier, no broadcast); the scales too where
+    they are the factors' source (round_scale), else only in the threads that store them (tr == 0): each is an
+    IEEE division, and the SwiGLU casts, which divide once an element already, feel a vec-wide redundant one."""
     from tilelang import language as T
+
+    scale_of, inv_of = unrounded_scale(T, max_value=FP8_MAX)
 
     @T.macro
     def fold(red, amax, sf, inv, tr, cc):
@@ -209,8 +217,16 @@ def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable):
         for r in T.unroll(tok_threads):
             for v in T.unroll(vec):
                 amax[v] = T.max(amax[v], red[r, cc + v])
-        for v in T.unroll(vec):
-            scale_and_inv(amax, sf, inv, v)
+        if round_scale:  # the factor is 1 / the rounded scale: every thread needs both
+            for v in T.unroll(vec):
+                scale_and_inv(amax, sf, inv, v)
+        else:  # the factor is 448 / amax; only the threads that store the scales (tr == 0) divide for them
+            for v in T.unroll(vec):
+                amax[v] = T.max(amax[v], T.float32(AMAX_MIN))
+                inv[v] = inv_of(amax[v])
+            if tr == 0:
+                for v in T.unroll(vec):
+                    sf[v] = scale_of(amax[v])
 
     return fold
 
@@ -231,7 +247,7 @@ def block_problem(shape, c) -> str | None:
 def tile_constraint(shape, c, row_regs: int = 0) -> str | None:
     """Why config c cannot hold its tile in registers, else None. row_regs: registers the kernel keeps per
     token row beside the values (per_channel_cast_fused: the gathered row index, the row's input scale)."""
-    why = block_problem(shape, c)
+    why = block_problem(shape, c) or occupancy_problem(c, 0)
     if why:
         return why
     npt, h = shape["num_per_tokens"], shape["hidden"]
@@ -281,9 +297,34 @@ def tile_default(shape, constraint) -> dict:
 # an SM. The builders are the specs' own (per_channel_cast's _build_smem; per_channel_cast_fused's gathers).
 
 STAGES = ("regs", "smem")
-STAGED_SPACE = {**TILE_SPACE, "stage": STAGES}
+# min_threads_per_sm (stage="smem" only): 0 leaves TileLang's __launch_bounds__(threads, 1), under which ptxas
+# lets the unrolled loads of a thread's rows take 56-68 registers (4-7 blocks an SM); a value puts
+# __launch_bounds__(threads, value / threads) on the kernel, so ptxas fits that many blocks (e.g. 8 x 256 threads:
+# 32 registers, no spills at vec 4, 16 channel threads), the occupancy TileKernels' SwiGLU + cast kernel runs at
+# (33 registers). Whether the extra warps beat the loads in flight they cost is the tuner's to measure.
+STAGED_SPACE = {**TILE_SPACE, "stage": STAGES, "min_threads_per_sm": (0, 1024, 1536, 2048)}
 SMEM_MAX = 96 * 1024  # shared bytes a block: two blocks an SM at least
+SM_SMEM = 228 * 1024  # shared bytes an SM (sm_90): the blocks the hint asks for must fit, 1 KiB each reserved
 BANK_BYTES = 128  # a shared-memory wavefront: 32 banks x 4 bytes
+
+
+def min_blocks(c) -> int:
+    """Blocks an SM the config's occupancy hint asks ptxas to fit (1: no hint)."""
+    return max(1, c.get("min_threads_per_sm", 0) // c["threads"])
+
+
+def occupancy_problem(c, shared: int) -> str | None:
+    """Why config c's occupancy hint (min_threads_per_sm) is not a useful one, else None."""
+    want = c.get("min_threads_per_sm", 0)
+    if not want:
+        return None
+    if c.get("stage", "regs") != "smem":
+        return "min_threads_per_sm is for stage='smem' (the register tile needs its registers)"
+    if want % c["threads"] or want // c["threads"] < 2:
+        return f"min_threads_per_sm={want} must be a multiple of threads={c['threads']}, at least two blocks"
+    if min_blocks(c) * (shared + 1024) > SM_SMEM:
+        return f"{min_blocks(c)} blocks of {shared} bytes of shared memory do not fit an SM ({SM_SMEM})"
+    return None
 
 
 def smem_constraint(shape, c) -> str | None:
@@ -303,7 +344,7 @@ def smem_constraint(shape, c) -> str | None:
         return f"{shared} bytes of shared memory a block (max {SMEM_MAX})"
     if vec * cht >= 2 * h and cht > TILE_SPACE["ch_threads"][0]:
         return f"a tile of {vec * cht} channels leaves more than half its threads idle at hidden={h} (fewer ch_threads)"
-    return None
+    return occupancy_problem(c, shared)
 
 
 def staged_default(shape, constraint, regs_constraint) -> dict:
@@ -316,10 +357,10 @@ def staged_default(shape, constraint, regs_constraint) -> dict:
     while vec * cht >= 2 * shape["hidden"] and cht > 4:
         cht //= 2
     for threads in (256, 512, 128):
-        cfg = {"vec": vec, "ch_threads": cht, "threads": threads, "stage": "smem"}
+        cfg = {"vec": vec, "ch_threads": cht, "threads": threads, "stage": "smem", "min_threads_per_sm": 0}
         if constraint(shape, cfg) is None:
             return cfg
-    return {**tile_default(shape, regs_constraint), "stage": "regs"}
+    return {**tile_default(shape, regs_constraint), "stage": "regs", "min_threads_per_sm": 0}
 
 
 # -- a producer fused before the cast ---------------------------------------------------------------------

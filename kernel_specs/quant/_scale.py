@@ -12,20 +12,29 @@ def ue8m0_ceil(sf: torch.Tensor) -> torch.Tensor:
     return ((sf.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
 
 
+def unrounded_scale(T, *, max_value: float):
+    """(sf, inv): the expressions of an unrounded scale and its factor from a (clamped) amax, amax / max_value
+    and max_value / amax, IEEE divisions (the references divide). For a kernel that needs the factor in every
+    thread but the scale only where it is stored."""
+    f32 = T.float32
+    return (lambda amax: T.ieee_fdiv(amax, f32(max_value))), (lambda amax: T.ieee_fdiv(f32(max_value), amax))
+
+
 def scale_macro(T, *, max_value: float, round_scale: bool):
     """A T.macro group_scale(amax, sf, inv, e): sf[e] = amax[e] / max_value, rounded up to a power of two
     when round_scale; inv[e] the values' multiplier: 1 / sf[e] when rounded, else max_value / amax[e]
     (IEEE divisions: the references divide)."""
     f32, u32 = T.float32, T.uint32
+    scale_of, inv_of = unrounded_scale(T, max_value=max_value)
 
     @T.macro
     def group_scale(amax, sf, inv, e):
-        sf[e] = T.ieee_fdiv(amax[e], f32(max_value))
+        sf[e] = scale_of(amax[e])
         if round_scale:
             sf[e] = T.reinterpret((T.reinterpret(sf[e], u32) + u32(0x007FFFFF)) & u32(0x7F800000), f32)
             inv[e] = T.ieee_fdiv(f32(1.0), sf[e])
         else:
-            inv[e] = T.ieee_fdiv(f32(max_value), amax[e])
+            inv[e] = inv_of(amax[e])
 
     return group_scale
 

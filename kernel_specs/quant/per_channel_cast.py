@@ -29,6 +29,7 @@ from tkjit_kernels.quant._per_channel import (
     Prologue,
     block_fold,
     check_hidden,
+    min_blocks,
     reference_blocks,
     scale_blocks,
     smem_constraint,
@@ -175,6 +176,7 @@ def _build_smem(shape, c, prologue: Prologue | None):
     into the thread's running max, so a thread holds one vector, not its whole tile, and many blocks fit an SM.
     The reduction, the scales and the tail checks are the register tile's."""
     from tilelang import language as T
+    from tilelang.language.annotations import annotate_min_blocks_per_sm
 
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
     vec, cht, threads = c["vec"], c["ch_threads"], c["threads"]
@@ -182,7 +184,7 @@ def _build_smem(shape, c, prologue: Prologue | None):
     token_blocks = T.dynamic("token_blocks")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
-    fold = block_fold(vec, tok_threads, scale_and_inv)
+    fold = block_fold(vec, tok_threads, scale_and_inv, shape["round_scale"])
 
     x_cols = H if prologue is None else prologue.x_cols(H)
     if prologue is None:
@@ -226,6 +228,8 @@ def _build_smem(shape, c, prologue: Prologue | None):
         scales: T.Tensor[(token_blocks, H), f32],
     ):
         with T.Kernel(token_blocks * ch_tiles, threads=threads) as bid:
+            if min_blocks(c) > 1:  # the occupancy hint (_per_channel.STAGED_SPACE says why)
+                annotate_min_blocks_per_sm(min_blocks(c))
             tx = T.get_thread_binding()
             tile = T.alloc_shared((npt, block_ch), in_dtype)
             red = T.alloc_shared((tok_threads, block_ch), f32)

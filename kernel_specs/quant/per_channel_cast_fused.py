@@ -45,6 +45,7 @@ from tkjit_kernels.quant._per_channel import (
     block_fold,
     check_hidden,
     elem_bytes,
+    min_blocks,
     pass_configs,
     reference_blocks,
     scale_blocks,
@@ -238,6 +239,7 @@ def _build_smem(shape, c):
     the thread itself reads it back) and folds it into the running max. The reduction, the scales, the values
     (FP8: value x row scale, then x the factor) and the tail checks are the register tile's."""
     from tilelang import language as T
+    from tilelang.language.annotations import annotate_min_blocks_per_sm
 
     H, npt, in_dtype = shape["hidden"], shape["num_per_tokens"], shape["in_dtype"]
     has_sf, has_pos = shape["has_x_sf"], shape["has_pos"]
@@ -247,7 +249,7 @@ def _build_smem(shape, c):
     num_tokens_out = T.dynamic("num_tokens_out")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
-    fold = block_fold(vec, tok_threads, scale_and_inv)
+    fold = block_fold(vec, tok_threads, scale_and_inv, shape["round_scale"])
 
     def value(xv, rs, j, v):
         """The float32 value of element v of row j's vector: x, or FP8 x times its row's scale."""
@@ -301,6 +303,8 @@ def _build_smem(shape, c):
         scales: T.Tensor[(T.ceildiv(num_tokens_out, npt), H), f32] = None,
     ):
         with T.Kernel(T.ceildiv(num_tokens_out, npt) * ch_tiles, threads=threads) as bid:
+            if min_blocks(c) > 1:  # the occupancy hint (_per_channel.STAGED_SPACE says why)
+                annotate_min_blocks_per_sm(min_blocks(c))
             tx = T.get_thread_binding()
             tile = T.alloc_shared((npt, block_ch), in_dtype)
             red = T.alloc_shared((tok_threads, block_ch), f32)

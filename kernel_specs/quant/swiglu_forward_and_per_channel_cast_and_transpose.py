@@ -84,8 +84,11 @@ def swiglu_prologue(shape) -> Prologue:
                 gate[v] = x[b, row, col + v]
             for v in T.vectorized(n):
                 up[v] = x[b, row, H + col + v]
+            acts = T.alloc_local((n,), f32)
             for v in T.unroll(n):
-                dst[off + v] = T.cast(act(gate[v], up[v]), in_dtype)
+                acts[v] = act(gate[v], up[v])
+            for v in T.vectorized(n):  # a vector cast: one paired conversion (round to nearest) two channels
+                dst[off + v] = T.cast(acts[v], in_dtype)
 
         return load
 
@@ -110,6 +113,21 @@ def reference_cast(shape, x):
 
 def reference_transpose(shape, x):
     return transpose.reference(shape, swiglu(shape, x))
+
+
+def default_cast(shape):
+    """bf16: 4 channels a thread, 16 threads along a row of 64 channels, 256 threads, staged through shared
+    memory, with the occupancy hint of 8 blocks an SM (32 registers a thread): the fastest of the 22 staged
+    configs swept on an H100 at both shapes (32 x 128 tokens x 7168: 67.5 us against 74.4 for the fastest
+    unhinted config and 79.5 for per_channel_cast's default; 256 x 128 x 2048 with clamp and UE8M0 scales:
+    139.4 against 146.6 and 161.5). Each element's SwiGLU (expf, an IEEE division) costs more than its bytes,
+    so the warps an SM holds matter more than the loads a thread keeps in flight. Elsewhere, and where it does
+    not fit, per_channel_cast's default."""
+    if shape["in_dtype"] == "bfloat16":
+        cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": 2048}
+        if cast.constraint(shape, cfg) is None:
+            return cfg
+    return cast.default(shape)
 
 
 def make_inputs(shape, device="cpu", seed=0):
@@ -190,7 +208,7 @@ SPEC_CAST = register(
         doc="SwiGLU of [gate | up] then per-channel FP8 e4m3 cast (num_tokens, hidden), one float32 scale per "
         "channel and num_per_tokens tokens (TileKernels' without_transpose=True)",
         space=cast.SPACE,
-        default=cast.default,
+        default=default_cast,
         constraint=cast.constraint,
         check_shape=_check_shape(cast.check_shape),
         build=lambda shape, c: cast.build(shape, c, swiglu_prologue(shape)),
