@@ -116,16 +116,21 @@ def reference_transpose(shape, x):
 
 
 def default_cast(shape):
-    """bf16: 4 channels a thread, 16 threads along a row of 64 channels, 256 threads, staged through shared
-    memory, with the occupancy hint of 8 blocks an SM (32 registers a thread): the fastest of the 22 staged
-    configs swept on an H100 at both shapes (32 x 128 tokens x 7168: 67.5 us against 74.4 for the fastest
-    unhinted config and 79.5 for per_channel_cast's default; 256 x 128 x 2048 with clamp and UE8M0 scales:
-    139.4 against 146.6 and 161.5). Each element's SwiGLU (expf, an IEEE division) costs more than its bytes,
-    so the warps an SM holds matter more than the loads a thread keeps in flight. Elsewhere, and where it does
-    not fit, per_channel_cast's default."""
+    """bf16: 4 channels and 8 token rows a thread, 256 threads, staged through shared memory, with the occupancy
+    hint of 8 blocks an SM (32 registers a thread). At 128 tokens a scale that is 16 threads along a row of 64
+    channels: the fastest of the 22 staged configs swept on an H100 at both shapes (32 x 128 tokens x 7168:
+    67.5 us against 74.4 for the fastest unhinted config and 79.5 for per_channel_cast's default; 256 x 128 x
+    2048 with clamp and UE8M0 scales: 139.4 against 146.6 and 161.5). Each element's SwiGLU (expf, an IEEE
+    division) costs more than its bytes, so the warps an SM holds matter more than the loads a thread keeps in
+    flight. At 32 tokens a scale, 64 threads along a row of 256 channels keep the same 8 rows a thread (16
+    threads would leave 2 rows a thread, the block's reduction then costing as much as its rows: 0.77-0.80x
+    TileKernels in the same run); that choice is not swept yet. Elsewhere, and where it does not fit,
+    per_channel_cast's default."""
     if shape["in_dtype"] == "bfloat16":
-        cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": 2048}
-        if cast.constraint(shape, cfg) is None:
+        rows = 8
+        cfg = {"vec": 4, "ch_threads": 256 * rows // shape["num_per_tokens"], "threads": 256, "stage": "smem",
+               "min_threads_per_sm": 2048}
+        if cfg["ch_threads"] in cast.SPACE["ch_threads"] and cast.constraint(shape, cfg) is None:
             return cfg
     return cast.default(shape)
 
