@@ -23,7 +23,7 @@ from ptxas import ptxas_usage  # noqa: E402
 from quant_checks import byte_same as _same  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
-NO_HINT = {"min_threads_per_sm": 0}  # the staged layout's occupancy hint, off
+NO_HINT = {"min_threads_per_sm": 0, "factors": "thread"}  # the staged layout's options, off
 CAST = "per_channel_cast"
 TRANSPOSE = "per_channel_cast_and_transpose"
 NAMES = (CAST, TRANSPOSE)
@@ -451,7 +451,7 @@ def test_compiles_for_sm90a(cache_dir, name, shape, config):
 def test_occupancy_hint_rules():
     cast = get_spec(CAST)
     wide = cast.canonical_shape(_shape(hidden=7168))
-    smem = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem"}
+    smem = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "factors": "thread"}
     assert cast.constraint(wide, {**smem, "min_threads_per_sm": 2048}) is None  # 8 blocks of 20 KiB
     assert "stage='smem'" in cast.constraint(wide, {**smem, "stage": "regs", "min_threads_per_sm": 1024})
     assert "at least two blocks" in cast.constraint(wide, {**smem, "threads": 512, "ch_threads": 32,
@@ -473,7 +473,7 @@ def test_occupancy_hint_caps_registers(cache_dir, name, hint):
     shape = {"token_blocks": 33, "hidden": 7168}
     if name == "per_channel_cast_fused":
         shape = {"num_tokens_out": 4096, "num_tokens": 4096, "hidden": 7168}
-    cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": hint}
+    cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": hint, "factors": "thread"}
     k = tkjit.get(name, shape, arch="sm_90a", config=cfg)
     src = (k.path / "kernel.cu").read_text()
     assert f"__launch_bounds__(256, {hint // 256})" in src
@@ -482,6 +482,35 @@ def test_occupancy_hint_caps_registers(cache_dir, name, hint):
     plain = tkjit.get(name, shape, arch="sm_90a", config={**cfg, "min_threads_per_sm": 0})
     assert "__launch_bounds__(256, 1)" in (plain.path / "kernel.cu").read_text()
     assert ptxas_usage(plain.path / "kernel.cu")["registers"] > 65536 // hint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [CAST, "per_channel_cast_fused", "swiglu_forward_and_per_channel_cast"])
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_shared_factors(cache_dir, name, round_scale):
+    """factors='shared': only the first row of threads divides (scales and factors), a second barrier, then every
+    thread reads its channels' factors from shared memory; 'thread': every thread divides for its own channels
+    (and, unrounded, only the first row for the scales)."""
+    shape = {"token_blocks": 33, "hidden": 7168, "round_scale": round_scale}
+    if name == "per_channel_cast_fused":
+        shape = {"num_tokens_out": 4096, "num_tokens": 4096, "hidden": 7168, "round_scale": round_scale}
+    hint = 1536 if name == "per_channel_cast_fused" else 2048  # (the gather's row index: 40 registers)
+    cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": hint}
+    spec = get_spec(name)
+    assert "stage='smem'" in spec.constraint(spec.canonical_shape(shape), {**cfg, "stage": "regs",
+                                                                             "min_threads_per_sm": 0,
+                                                                             "factors": "shared"})
+    divs = {}
+    for factors in ("thread", "shared"):
+        k = tkjit.get(name, shape, arch="sm_90a", config={**cfg, "factors": factors})
+        src = (k.path / "kernel.cu").read_text()
+        divs[factors] = src.count("__fdiv_rn")
+        # shared: a barrier before the factors are read (TileLang also lays them over the partial maxima, with one
+        # more barrier before it writes them)
+        assert (src.count("__syncthreads") >= 2) == (factors == "shared")
+        usage = ptxas_usage(k.path / "kernel.cu")
+        assert usage["registers"] <= 65536 // hint and usage["spill"] == 0, (factors, usage)
+    assert divs["shared"] <= divs["thread"]
 
 
 def test_space_has_every_tile_kernels_shape():

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from quant_checks import byte_same as _same  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
-NO_HINT = {"min_threads_per_sm": 0}  # the staged layout's occupancy hint, off
+NO_HINT = {"min_threads_per_sm": 0, "factors": "thread"}  # the staged layout's options, off
 TRANSPOSE = "swiglu_forward_and_per_channel_cast_and_transpose"
 CAST = "swiglu_forward_and_per_channel_cast"
 NAMES = (TRANSPOSE, CAST)
@@ -114,7 +114,8 @@ def test_space_and_defaults_are_the_per_channel_casts():
         get_spec("per_channel_cast").canonical_shape({"token_blocks": 32, "hidden": 2048, "in_dtype": "float32"}))
 
 
-SWIGLU_CAST_DEFAULT = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": 2048}
+SWIGLU_CAST_DEFAULT = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": 2048,
+                       "factors": "thread"}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -199,24 +199,50 @@ def tile_of(shape, c) -> Tile:
     return Tile(tok_threads, shape["num_per_tokens"] // tok_threads, block_ch, -(-h // block_ch), h % block_ch != 0)
 
 
-def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable, round_scale: bool):
+def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable, round_scale: bool, factors: str = "thread"):
     """The reduction every per-channel cast block ends with: each thread's partial maxima of its vec channels
     (from channel cc of the tile) to shared memory, one barrier, then every thread folds the tok_threads partial
-    maxima of its own channels and makes their factors (no second barrier, no broadcast); the scales too where
-    they are the factors' source (round_scale), else only in the threads that store them (tr == 0): each is an
-    IEEE division, and the SwiGLU casts, which divide once an element already, feel a vec-wide redundant one."""
+    maxima of its own channels. Then the factors (`factors`, a tunable of the staged layout):
+      "thread"  every thread makes its own channels' factors (no second barrier, no broadcast); the scales too
+                where they are the factors' source (round_scale), else only in the threads that store them
+                (tr == 0);
+      "shared"  only the tr == 0 threads make scales and factors, and pass the factors to the others through
+                shared memory (a second barrier): TileKernels' way. Each factor is an IEEE division, which the
+                SwiGLU casts (one division an element already, compute-bound) feel: "thread" spends vec more a
+                thread (36 against 32 at 8 rows x 4 channels)."""
     from tilelang import language as T
 
     scale_of, inv_of = unrounded_scale(T, max_value=FP8_MAX)
 
     @T.macro
-    def fold(red, amax, sf, inv, tr, cc):
+    def gather(red, amax, tr, cc):
         for v in T.vectorized(vec):
             red[tr, cc + v] = amax[v]
         T.sync_threads()
         for r in T.unroll(tok_threads):
             for v in T.unroll(vec):
                 amax[v] = T.max(amax[v], red[r, cc + v])
+
+    if factors == "shared":
+
+        @T.macro
+        def fold(red, amax, sf, inv, tr, cc):
+            fac = T.alloc_shared((red.shape[1],), T.float32)  # the block's factors, one a channel
+            gather(red, amax, tr, cc)
+            if tr == 0:
+                for v in T.unroll(vec):
+                    scale_and_inv(amax, sf, inv, v)
+                for v in T.vectorized(vec):
+                    fac[cc + v] = inv[v]
+            T.sync_threads()
+            for v in T.vectorized(vec):
+                inv[v] = fac[cc + v]
+
+        return fold
+
+    @T.macro
+    def fold(red, amax, sf, inv, tr, cc):
+        gather(red, amax, tr, cc)
         if round_scale:  # the factor is 1 / the rounded scale: every thread needs both
             for v in T.unroll(vec):
                 scale_and_inv(amax, sf, inv, v)
@@ -302,7 +328,9 @@ STAGES = ("regs", "smem")
 # __launch_bounds__(threads, value / threads) on the kernel, so ptxas fits that many blocks (e.g. 8 x 256 threads:
 # 32 registers, no spills at vec 4, 16 channel threads), the occupancy TileKernels' SwiGLU + cast kernel runs at
 # (33 registers). Whether the extra warps beat the loads in flight they cost is the tuner's to measure.
-STAGED_SPACE = {**TILE_SPACE, "stage": STAGES, "min_threads_per_sm": (0, 1024, 1536, 2048)}
+# factors (stage="smem" only): where each channel's factor is made, `block_fold` says.
+STAGED_SPACE = {**TILE_SPACE, "stage": STAGES, "min_threads_per_sm": (0, 1024, 1536, 2048),
+                "factors": ("thread", "shared")}
 SMEM_MAX = 96 * 1024  # shared bytes a block: two blocks an SM at least
 SM_SMEM = 228 * 1024  # shared bytes an SM (sm_90): the blocks the hint asks for must fit, 1 KiB each reserved
 BANK_BYTES = 128  # a shared-memory wavefront: 32 banks x 4 bytes
@@ -315,6 +343,8 @@ def min_blocks(c) -> int:
 
 def occupancy_problem(c, shared: int) -> str | None:
     """Why config c's occupancy hint (min_threads_per_sm) is not a useful one, else None."""
+    if c.get("factors", "thread") != "thread" and c.get("stage", "regs") != "smem":
+        return "factors='shared' is for stage='smem' (the register tile makes every factor in its threads)"
     want = c.get("min_threads_per_sm", 0)
     if not want:
         return None
@@ -339,7 +369,7 @@ def smem_constraint(shape, c) -> str | None:
     # warp at a time, narrower ones half a warp): lanes of different rows would hit the same banks.
     if min(cht, 32) * min(vec * eb, 16) < BANK_BYTES:
         return f"{cht} threads x {vec * eb} bytes along a row leave shared-memory bank conflicts (< 128 bytes)"
-    shared = npt * vec * cht * eb + tok_threads * vec * cht * 4
+    shared = npt * vec * cht * eb + tok_threads * vec * cht * 4 + (vec * cht * 4 if c.get("factors") == "shared" else 0)
     if shared > SMEM_MAX:
         return f"{shared} bytes of shared memory a block (max {SMEM_MAX})"
     if vec * cht >= 2 * h and cht > TILE_SPACE["ch_threads"][0]:
@@ -357,10 +387,11 @@ def staged_default(shape, constraint, regs_constraint) -> dict:
     while vec * cht >= 2 * shape["hidden"] and cht > 4:
         cht //= 2
     for threads in (256, 512, 128):
-        cfg = {"vec": vec, "ch_threads": cht, "threads": threads, "stage": "smem", "min_threads_per_sm": 0}
+        cfg = {"vec": vec, "ch_threads": cht, "threads": threads, "stage": "smem", "min_threads_per_sm": 0,
+               "factors": "thread"}
         if constraint(shape, cfg) is None:
             return cfg
-    return {**tile_default(shape, regs_constraint), "stage": "regs", "min_threads_per_sm": 0}
+    return {**tile_default(shape, regs_constraint), "stage": "regs", "min_threads_per_sm": 0, "factors": "thread"}
 
 
 # -- a producer fused before the cast ---------------------------------------------------------------------

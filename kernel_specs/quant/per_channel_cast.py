@@ -184,7 +184,7 @@ def _build_smem(shape, c, prologue: Prologue | None):
     token_blocks = T.dynamic("token_blocks")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
-    fold = block_fold(vec, tok_threads, scale_and_inv, shape["round_scale"])
+    fold = block_fold(vec, tok_threads, scale_and_inv, shape["round_scale"], c.get("factors", "thread"))
 
     x_cols = H if prologue is None else prologue.x_cols(H)
     if prologue is None:

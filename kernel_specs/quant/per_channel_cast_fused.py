@@ -249,7 +249,7 @@ def _build_smem(shape, c):
     num_tokens_out = T.dynamic("num_tokens_out")
     f32, fp8 = T.float32, T.float8_e4m3fn
     scale_and_inv, quantise = scale_blocks(shape["round_scale"])
-    fold = block_fold(vec, tok_threads, scale_and_inv, shape["round_scale"])
+    fold = block_fold(vec, tok_threads, scale_and_inv, shape["round_scale"], c.get("factors", "thread"))
 
     def value(xv, rs, j, v):
         """The float32 value of element v of row j's vector: x, or FP8 x times its row's scale."""

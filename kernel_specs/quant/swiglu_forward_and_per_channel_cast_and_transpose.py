@@ -129,7 +129,7 @@ def default_cast(shape):
     if shape["in_dtype"] == "bfloat16":
         rows = 8
         cfg = {"vec": 4, "ch_threads": 256 * rows // shape["num_per_tokens"], "threads": 256, "stage": "smem",
-               "min_threads_per_sm": 2048}
+               "min_threads_per_sm": 2048, "factors": "thread"}
         if cfg["ch_threads"] in cast.SPACE["ch_threads"] and cast.constraint(shape, cfg) is None:
             return cfg
     return cast.default(shape)
