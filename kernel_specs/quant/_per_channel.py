@@ -342,7 +342,8 @@ def min_blocks(c) -> int:
 
 
 def occupancy_problem(c, shared: int) -> str | None:
-    """Why config c's occupancy hint (min_threads_per_sm) is not a useful one, else None."""
+    """Why config c's options of the staged layout (the occupancy hint min_threads_per_sm, shared factors) do not
+    apply to it, else None. shared: the block's shared bytes (0 for the register tile)."""
     if c.get("factors", "thread") != "thread" and c.get("stage", "regs") != "smem":
         return "factors='shared' is for stage='smem' (the register tile makes every factor in its threads)"
     want = c.get("min_threads_per_sm", 0)
