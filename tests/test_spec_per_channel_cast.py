@@ -20,10 +20,10 @@ from tkjit.spec import validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from ptxas import ptxas_usage  # noqa: E402
+from quant_checks import NO_HINT  # noqa: E402
 from quant_checks import byte_same as _same  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
-NO_HINT = {"min_threads_per_sm": 0, "factors": "thread"}  # the staged layout's options, off
 CAST = "per_channel_cast"
 TRANSPOSE = "per_channel_cast_and_transpose"
 NAMES = (CAST, TRANSPOSE)
@@ -463,6 +463,13 @@ def test_occupancy_hint_rules():
     assert hinted and all(c["stage"] == "smem" for c in hinted)
 
 
+def _staged_shape(name: str, **extra) -> dict:
+    """A hidden-7168 shape of one of the three specs with the staged layout (the fused cast counts rows, not blocks)."""
+    if name == "per_channel_cast_fused":
+        return {"num_tokens_out": 4096, "num_tokens": 4096, "hidden": 7168, **extra}
+    return {"token_blocks": 33, "hidden": 7168, **extra}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, hint", [(CAST, 2048), ("per_channel_cast_fused", 1536),
                                         ("swiglu_forward_and_per_channel_cast", 2048)])
@@ -470,9 +477,7 @@ def test_occupancy_hint_caps_registers(cache_dir, name, hint):
     """min_threads_per_sm at 256 threads: __launch_bounds__(256, hint / 256), so ptxas fits that many blocks an SM
     (2048: 32 registers a thread, 1536: 40; the fused gather keeps a row index and needs the 40) without
     spilling; unhinted, the unrolled loads take more."""
-    shape = {"token_blocks": 33, "hidden": 7168}
-    if name == "per_channel_cast_fused":
-        shape = {"num_tokens_out": 4096, "num_tokens": 4096, "hidden": 7168}
+    shape = _staged_shape(name)
     cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": hint, "factors": "thread"}
     k = tkjit.get(name, shape, arch="sm_90a", config=cfg)
     src = (k.path / "kernel.cu").read_text()
@@ -491,9 +496,7 @@ def test_shared_factors(cache_dir, name, round_scale):
     """factors='shared': only the first row of threads divides (scales and factors), a second barrier, then every
     thread reads its channels' factors from shared memory; 'thread': every thread divides for its own channels
     (and, unrounded, only the first row for the scales)."""
-    shape = {"token_blocks": 33, "hidden": 7168, "round_scale": round_scale}
-    if name == "per_channel_cast_fused":
-        shape = {"num_tokens_out": 4096, "num_tokens": 4096, "hidden": 7168, "round_scale": round_scale}
+    shape = _staged_shape(name, round_scale=round_scale)
     hint = 1536 if name == "per_channel_cast_fused" else 2048  # (the gather's row index: 40 registers)
     cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": hint}
     spec = get_spec(name)

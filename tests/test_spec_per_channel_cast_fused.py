@@ -16,9 +16,9 @@ from tkjit.registry import get_spec
 from tkjit.spec import validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from quant_checks import NO_HINT  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
-NO_HINT = {"min_threads_per_sm": 0, "factors": "thread"}  # the staged layout's options, off
 NAME = "per_channel_cast_fused"
 FP8 = "float8_e4m3fn"
 

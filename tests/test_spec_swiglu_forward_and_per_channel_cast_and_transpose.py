@@ -17,10 +17,10 @@ from tkjit.registry import get_spec
 from tkjit.spec import validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from quant_checks import NO_HINT  # noqa: E402
 from quant_checks import byte_same as _same  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
-NO_HINT = {"min_threads_per_sm": 0, "factors": "thread"}  # the staged layout's options, off
 TRANSPOSE = "swiglu_forward_and_per_channel_cast_and_transpose"
 CAST = "swiglu_forward_and_per_channel_cast"
 NAMES = (TRANSPOSE, CAST)

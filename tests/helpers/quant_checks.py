@@ -43,6 +43,11 @@ def strided_byte_same(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
 
 
+# The per-channel casts' staged-layout options off (no occupancy hint, every thread makes its own factors): what an
+# explicit config of those specs spells out when it does not tune them.
+NO_HINT = {"min_threads_per_sm": 0, "factors": "thread"}
+
+
 def tk_kernel_or_none(fn: Callable, *args, **kwargs):
     """TileKernels' kernel fn(*args, **kwargs), or None where it fails to build or run on this host (then only
     that comparison is skipped, with the reason printed)."""
