@@ -301,3 +301,25 @@ def test_perf_counter_timer_stops_after_a_few_runs_when_clearly_slower():
     full = timer.measure(run, budget_s=0.05, context={"stop_above_us": 1e6})
     assert len(early) == EARLY_RUNS and len(full) >= 10
     assert len(timer.measure(run, budget_s=0.05, context={})) >= 10
+
+
+def test_a_trial_left_waiting_by_another_worker_does_not_cost_a_config(spec, tmp_path):
+    """`ask` pops the oldest WAITING trial, not necessarily the one this worker just enqueued: one left by a
+    worker killed between its enqueue and its ask (or Optuna's retry of a dead worker's trial) comes out
+    instead, and ours stays WAITING. With one config left, the study must still finish, not stop one short."""
+    from tkjit.tuning.tuner import open_storage
+
+    storage = f"journal:{tmp_path}/j.log"
+    n = len(spec.configs({"num_tokens": 4096}, "sm_90a"))
+    ev = TableEvaluator(table_for(spec))
+    r1 = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage, trials=n - 1)
+    assert r1.trials == n - 1
+    store = open_storage(storage)
+    (name,) = optuna.get_all_study_names(store)
+    study = optuna.load_study(study_name=name, storage=store)
+    measured = next(t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE)
+    study.enqueue_trial(measured.params, user_attrs={"config": measured.user_attrs["config"]})  # the orphan
+    ev2 = TableEvaluator(table_for(spec))
+    r2 = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev2, storage=storage)
+    assert r2.trials == n and len(ev2.benched) == 1
+    assert not set(ev2.benched) & set(ev.benched)

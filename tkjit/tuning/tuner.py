@@ -198,6 +198,7 @@ def default_storage() -> Any:
     return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
 
 
+MAX_MISSES = 64  # asks in a row that yield no new config before a batch gives up (exhaustive mode)
 HEARTBEAT_S = 10  # RDB storages: a worker's heartbeat interval; its trials are failed after 3x this silent
 RDB_SCHEMES = ("sqlite", "postgresql", "mysql")
 
@@ -611,14 +612,17 @@ class _Study:
             fixed = None
             if queue:
                 fixed = queue.pop(0)
-            elif self.mode == "exhaustive":
-                break
-            elif misses >= 16:  # the sampler keeps proposing known or invalid configs: draw one
+            elif self.mode == "exhaustive" or misses >= 16:
+                # Exhaustive: the queue is spent, but `ask` pops the oldest WAITING trial, which need not be
+                # the one just enqueued (one left by a worker killed between its enqueue and its ask, or
+                # Optuna's retry of a dead worker's trial): that one came out as a dup and ours still waits,
+                # so ask again for what is left. TPE: the sampler keeps proposing known or invalid configs.
                 left = [c for c in untried if config_id(c) not in taken]
-                if not left:
+                if not left or misses >= MAX_MISSES:
                     break
-                fixed = self.rng.choice(left)
-                misses = 0
+                fixed = left[0] if self.mode == "exhaustive" else self.rng.choice(left)
+                if self.mode != "exhaustive":
+                    misses = 0
             if fixed is not None and config_id(fixed) in taken:
                 continue
             trial, cfg = self._ask(fixed)
