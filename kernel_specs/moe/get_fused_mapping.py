@@ -157,7 +157,6 @@ def build(shape, c):
             lane = tx % 32
             w = tx // 32
             nb = T.min(blocks, T.ceildiv(num_tokens * K, threads))  # the grid size
-            numel = num_tokens * K
             cnt = T.alloc_shared((W, E), i32)  # per warp and expert: count, then base position
             base_s = T.alloc_shared((E,), i32)  # expert_start
             tot_s = T.alloc_shared((E,), i32)  # unaligned count
@@ -172,9 +171,11 @@ def build(shape, c):
 
             rng = T.alloc_local((3,), i32)  # (start, end, iterations): in registers, computed once
 
-            # Warp g of the grid owns flat entries [g * per_warp, (g + 1) * per_warp) (cut at numel).
-            rng[0] = T.ceildiv(T.ceildiv(numel, nb * W), 32) * 32
-            rng[1] = T.min(rng[0] * (bx * W + w + 1), numel)
+            # Warp g of the grid owns flat entries [g * per_warp, (g + 1) * per_warp) (cut at num_tokens * K).
+            # (num_tokens * K written out, not named: with K = 1 it is num_tokens itself, and a name given to it
+            # would rename that size in the launcher's C signature.)
+            rng[0] = T.ceildiv(T.ceildiv(num_tokens * K, nb * W), 32) * 32
+            rng[1] = T.min(rng[0] * (bx * W + w + 1), num_tokens * K)
             rng[0] = rng[0] * (bx * W + w)
             rng[2] = T.ceildiv(T.max(rng[1] - rng[0], 0), 32)
             start, end, iters = rng[0], rng[1], rng[2]
