@@ -215,7 +215,7 @@ class _OnCuda:
 
 def test_a_cuda_launch_runs_on_torchs_current_stream_and_restores_the_env_stream(module_path, monkeypatch):
     current = {"stream": 0x1234}
-    monkeypatch.setattr(ffi, "_raw_stream", lambda: lambda index: current["stream"] if index == 1 else -1)
+    monkeypatch.setattr(ffi, "raw_stream", lambda: lambda index: current["stream"] if index == 1 else -1)
     k = ffi.FfiKernel(ffi.load_function(module_path, "stream"), [])
     rec = torch.zeros(1, dtype=torch.int64)
     t = _OnCuda(rec)

@@ -31,11 +31,12 @@ from tkjit import envs
 from tkjit.arch import tilelang_target
 from tkjit.errors import CompileError, ConfigError
 from tkjit.fs import check_private
-from tkjit.loader import dynamic_args
+from tkjit.loader import dynamic_args, loader_for
 from tkjit.spec import KernelSpec
 
 KERNEL_LIB = "kernel.so"
 KERNEL_SRC = "kernel.cu"
+LAUNCHER_SRC = "launcher.cu"  # (cudart entries)
 
 
 def import_tilelang():
@@ -118,6 +119,53 @@ def _copy_artifact(src: str | os.PathLike, build_dir: Path, dst: Path) -> None:
         shutil.copyfileobj(f, out)
 
 
+def _cudart_flags(build_dir: Path) -> list[str]:
+    """nvcc flags of a "cudart" kernel library: the CUDA runtime linked shared (libcudart.so.<major>, the one
+    torch has loaded; a static copy would be ~1 MB a kernel), and a link-time stand-in for the driver
+    library. TileLang links `-lcuda`, but its wrapper reaches the driver only through the runtime's entry
+    points (tensor maps), so nothing is bound to it: a build host without a GPU driver links against an
+    empty libcuda.so (soname libcuda.so.1, as the toolkit's own stub), made once in the private build dir."""
+    import subprocess
+
+    stub_dir = build_dir / "stub"
+    stub = stub_dir / "libcuda.so"
+    if not stub.exists():
+        stub_dir.mkdir(mode=0o700)
+        src = stub_dir / "stub.c"
+        src.write_text("/* link-time stand-in for the CUDA driver library: see tkjit.compiler._cudart_flags */\n")
+        cc = shutil.which("cc") or shutil.which("gcc") or "cc"
+        r = subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub), str(src)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CompileError(f"building the link stub for libcuda with {cc} failed: {r.stderr.strip()[:500]}")
+    return ["--cudart=shared", f"-L{stub_dir}"]
+
+
+class _NotLoaded:
+    """Stands in for the library TileLang's cython adapter loads and initialises right after building it:
+    `init` sets the kernels' shared memory limits on the current GPU, and a build host may have none.
+    tkjit loads the library itself when it serves it (tkjit.loader.CudartKernel)."""
+
+    def __init__(self) -> None:
+        self.get_last_error = lambda: b""
+
+    def init(self) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def _library_not_loaded() -> Iterator[None]:
+    # Compiles in a process take turns (private_build_dir's lock), so the class patch is this compile's.
+    from tilelang.jit.adapter.libgen import LibraryGenerator
+
+    saved = LibraryGenerator.load_lib
+    LibraryGenerator.load_lib = lambda self, lib_path=None: _NotLoaded()
+    try:
+        yield
+    finally:
+        LibraryGenerator.load_lib = saved
+
+
 def _dynamic_args(prim_func) -> list[dict[str, Any]]:
     """The C-ABI's trailing int args: each dynamic dim, with the tensor and axis it is read from; then
     each dynamic stride (a `T.StridedTensor`'s), with the tensor and the axis whose stride it is.
@@ -197,25 +245,30 @@ def _compile_in(
     if scalars != spec.abi_scalars():
         raise CompileError(f"{spec.name}: the built function's scalar params {scalars} are not the spec's "
                            f"{spec.abi_scalars()} (names and dtypes, in order)")
-    cpu = arch == "cpu"
+    launcher = loader_for(arch)
     try:
-        kernel = tilelang.compile(
-            func,
-            target=tilelang_target(arch),
-            execution_backend="cython" if cpu else "tvm_ffi",
-            pass_configs=spec.pass_configs(dict(config)) or None,
-        )
+        with _library_not_loaded() if launcher == "cudart" else contextlib.nullcontext():
+            kernel = tilelang.compile(
+                func,
+                target=tilelang_target(arch),
+                execution_backend="tvm_ffi" if launcher == "tvm_ffi" else "cython",
+                pass_configs=spec.pass_configs(dict(config)) or None,
+                compile_flags=_cudart_flags(build_dir) if launcher == "cudart" else None,
+            )
     except Exception as e:
         raise CompileError(
             f"{spec.name}: TileLang failed on config {config} for {arch}: {type(e).__name__}: {e}"
         ) from e
     src = kernel.get_kernel_source() or ""
     (out_dir / KERNEL_SRC).write_text(src)
-    if cpu:
-        # The C target's library has a plain C ABI: int call(T* buf..., int32 dyn...), loaded by ctypes.
+    if launcher != "tvm_ffi":
+        # TileLang's C wrapper: a plain C ABI, int call(T* buf..., scalars..., int32 dyn...[, cudaStream_t]),
+        # loaded by ctypes (the C target's, and CUDA's "cudart" launcher).
         lib = getattr(kernel.adapter, "libpath", None) or kernel.adapter.lib_generator.libpath
         _copy_artifact(lib, build_dir, out_dir / KERNEL_LIB)
-        abi = {"loader": "ctypes", "dynamic": _dynamic_args(func)}
+        if launcher == "cudart":  # the host side, for reading what a launch does (`call`'s args, its grid)
+            (out_dir / LAUNCHER_SRC).write_text(kernel.adapter.host_kernel_source or "")
+        abi = {"loader": launcher, "dynamic": _dynamic_args(func)}
         implied = dynamic_args(tensors, [p.name for p in spec.runtime_params])
         if abi["dynamic"] != implied:  # the loader would refuse it: say so now, naming both
             raise CompileError(f"{spec.name}: the built function's runtime sizes/strides {abi['dynamic']} are not "

@@ -63,9 +63,17 @@ EXACT_MATH = EnvVar(
     "with the spec's `exact` overrides. Read when a kernel is first resolved in a process",
 )
 
+LAUNCHER = EnvVar(
+    "TKJIT_LAUNCHER", "tvm_ffi",
+    "how CUDA kernels are built and launched: tvm_ffi (TileLang's host function, called through the tvm-ffi C "
+    "ABI) or cudart (TileLang's C launcher compiled beside the kernel: one ctypes call into cudaLaunchKernelEx; "
+    "no tvm-ffi runtime). Part of the cache key",
+)
+LAUNCHERS = ("tvm_ffi", "cudart")
+
 REGISTRY: tuple[EnvVar, ...] = (
     CACHE_DIR, ARCH, JOBS, LOCK_TIMEOUT, CACHE_MAX_BYTES, NVCC, NO_TUNED_DB, GPU_NAME, NUM_SMS, TUNING_DB, LOG,
-    PRINT_CONFIGS, DISABLE_JIT, CHECK_INDICES, EXACT_MATH,
+    PRINT_CONFIGS, DISABLE_JIT, CHECK_INDICES, EXACT_MATH, LAUNCHER,
 )
 
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -88,6 +96,14 @@ def count(var: EnvVar, expected: str) -> int | None:
     if not 1 <= n <= 4096:
         raise ConfigError(f"{var.name}={text!r} is not valid: expected {expected}")
     return n
+
+
+def launcher() -> str:
+    """The CUDA launcher TKJIT_LAUNCHER names (one of LAUNCHERS); a typo is an error."""
+    text = (LAUNCHER.get() or LAUNCHER.default or "").strip().lower()
+    if text not in LAUNCHERS:
+        raise ConfigError(f"{LAUNCHER.name}={LAUNCHER.get()!r} is not a launcher: use one of {', '.join(LAUNCHERS)}")
+    return text
 
 
 def log_level() -> int:

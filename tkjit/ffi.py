@@ -193,7 +193,7 @@ def load_function(path: Path, name: str) -> Function:
 _SCALAR_TYPE = {"bool": BOOL, "int32": INT, "int64": INT, "float32": FLOAT, "float64": FLOAT}
 
 
-def _raw_stream() -> Callable[[int], int]:
+def raw_stream() -> Callable[[int], int]:
     """device index -> torch's current CUDA stream there, as an int (0: the legacy default stream)."""
     import torch
 
@@ -278,7 +278,7 @@ class FfiKernel:
         cuda = device is not None and device.type == "cuda"
         dev_index = (device.index or 0) if cuda else 0
         c_cuda, c_dev, c_prev = i32(KDL_CUDA), i32(dev_index), vp(base + prev_off)
-        stream_of = _raw_stream() if cuda else None
+        stream_of = raw_stream() if cuda else None
         streams: dict[int, ctypes.c_void_p] = {}  # stream int -> its ctypes object (a process has a few)
         lock = threading.Lock()
         keep = (self._fn, words)  # the function and the buffer live as long as the launcher

@@ -127,6 +127,8 @@ def toolchain(arch: str, pinned: Callable[[], Mapping[str, str]] | None = None) 
         tc["machine"] = platform.machine()
     else:
         tc["nvcc"] = nvcc_version()
+        if launcher_of(arch) != "tvm_ffi":  # (recorded only when not the original one: those keys are unchanged)
+            tc["launcher"] = launcher_of(arch)
     missing = [k for k in PINNABLE if tc.get(k) == "none"] if arch != "cpu" else []
     if missing and pinned is not None:
         record = pinned()
@@ -134,6 +136,12 @@ def toolchain(arch: str, pinned: Callable[[], Mapping[str, str]] | None = None) 
             if isinstance(record.get(k), str):
                 tc[k] = record[k]
     return tc
+
+
+def launcher_of(arch: str) -> str:
+    """How arch's kernels are built and launched (tkjit.loader names the loader of each): the C target's
+    own C ABI, or for CUDA the one TKJIT_LAUNCHER picks. Part of the key: each builds another library."""
+    return "ctypes" if arch == "cpu" else envs.launcher()
 
 
 def key_material(

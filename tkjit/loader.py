@@ -1,9 +1,11 @@
 """Load a verified artifact into a callable, without importing the TileLang compiler.
 
-CUDA artifacts are tvm_ffi executables: `libtvm_ffi.so` plus TileLang's small `libtvm_runtime.so`
-(which registers the CUDA module loader) is all they need; they are called through the tvm-ffi C
-ABI (tkjit/ffi.py), without importing the `tvm_ffi` Python package. CPU (C target) artifacts expose
-a plain C ABI and are called through ctypes.
+CUDA artifacts are built for one of two launchers (TKJIT_LAUNCHER, in the key): tvm_ffi executables,
+which need `libtvm_ffi.so` plus TileLang's small `libtvm_runtime.so` (it registers the CUDA module
+loader) and are called through the tvm-ffi C ABI (tkjit/ffi.py) without importing the `tvm_ffi`
+Python package; or "cudart" libraries, TileLang's C launcher linked to the CUDA runtime torch has
+loaded, one ctypes call a launch (CudartKernel). CPU (C target) artifacts expose a plain C ABI and
+are called through ctypes as well.
 
 Both launchers take (tensors..., scalars...) and have `bind(tensors)`: a launcher specialised on
 those tensors' shapes and strides, which `CompiledKernel` keeps per call signature.
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tkjit.errors import LaunchError
+from tkjit.key import launcher_of
 
 if TYPE_CHECKING:
     from tkjit.ffi import FfiKernel
@@ -152,11 +155,157 @@ def _load_ctypes(lib: Path, meta: dict[str, Any]) -> CtypesKernel:
     dll.get_last_error.restype = ctypes.c_char_p
     if dll.init() != 0:
         raise LaunchError(f"kernel init failed: {dll.get_last_error().decode(errors='replace')}")
-    # (arg, axis, is a stride): a runtime size is read off a tensor's shape, a runtime stride off its strides.
-    dyn = [(int(d["arg"]), int(d["stride"]), True) if "stride" in d else (int(d["arg"]), int(d["axis"]), False)
-           for d in meta["abi"]["dynamic"]]
     # Scalars follow the tensor pointers (they are the PrimFunc's last params), before the sizes.
-    return CtypesKernel(dll, dyn, [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())])
+    return CtypesKernel(dll, _dynamic_of(meta), [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())])
+
+
+_thread = threading.local()  # .devices: the CUDA devices whose context CudartKernel made current on a thread
+
+
+class CudartKernel(CtypesKernel):
+    """A CUDA kernel with TileLang's C launcher beside it: `int call(T* tensors..., scalars..., int32
+    sizes/strides..., cudaStream_t)`, one ctypes call that runs cudaLaunchKernelEx, and `int init()`, which
+    sets the kernels' dynamic shared memory limits on the current device (once per device, before its
+    first launch there). No tvm-ffi runtime: the per-signature checks of `CompiledKernel` are the checks.
+
+    The library is opened at the first launch: it needs the CUDA runtime torch loads (libcudart.so.<major>,
+    found by its soname), and a build host without a GPU still gets a kernel object. The launch goes to
+    torch's current stream on the tensors' device; with several GPUs visible, the call switches to that
+    device when it is not the current one."""
+
+    def __init__(self, lib: Path, dyn: list[tuple[int, int, bool]], scalar_types: list[Any]):
+        self._lib = lib
+        self._dyn = dyn
+        self._scalar_types = scalar_types
+        self._dll: ctypes.CDLL | None = None
+        self._typed = False
+        self._ready: set[int] = set()  # device indices init() ran on
+        self._lock = threading.Lock()
+
+    def _open(self) -> None:
+        with self._lock:
+            if self._dll is not None:
+                return
+            import torch
+
+            try:
+                torch.cuda.init()
+            except Exception as e:  # a CPU build of torch, no driver, no device
+                raise LaunchError(f"cannot launch {self._lib}: CUDA is not available here ({e})") from e
+            try:
+                dll = ctypes.CDLL(str(self._lib), mode=os.RTLD_LOCAL)
+            except OSError as e:
+                raise LaunchError(f"loading {self._lib} failed: {e} (the kernel links the CUDA runtime of the nvcc "
+                                  f"that built it; torch here has CUDA {torch.version.cuda})") from e
+            dll.get_last_error.restype = ctypes.c_char_p
+            self._call, self._init = dll.call, dll.init
+            self._call.restype = self._init.restype = ctypes.c_int
+            # The runtime the library links (torch's), found through the library's own dependencies.
+            self._set_device = dll.cudaSetDevice
+            self._set_device.restype = ctypes.c_int
+            self._set_device.argtypes = [ctypes.c_int]
+            self._dll = dll
+
+    def _type_args(self, n_tensors: int) -> None:
+        if not self._typed:
+            self._call.argtypes = ([ctypes.c_void_p] * n_tensors + self._scalar_types
+                                   + [ctypes.c_int32] * len(self._dyn) + [ctypes.c_void_p])
+            self._typed = True
+
+    def _bind_thread(self, index: int) -> None:
+        """Make device index's primary context current on this thread. A launch of a TMA kernel encodes its
+        tensor maps through the driver before any runtime call, and the driver needs a current context:
+        a thread torch never switched devices on (autograd's device threads: torch skips the switch when
+        the device asked for is the one the runtime reports, 0 on a new thread) has none. tvm_ffi's host
+        code sets the device before each launch; here it is done once a thread."""
+        if self._set_device(index) != 0:
+            raise LaunchError(f"could not make CUDA device {index} current on this thread")
+        bound = getattr(_thread, "devices", None)
+        if bound is None:
+            bound = _thread.devices = set()
+        bound.add(index)
+
+    def _device_of(self, tensors: Sequence[Any]) -> int:
+        device = None
+        for t in tensors:
+            d = t.device
+            if d.type != "cuda":
+                raise LaunchError(f"a CUDA kernel was given a tensor on {d}")
+            if device is None:
+                device = d
+            elif d != device:
+                raise LaunchError(f"tensors on {device} and {d} in one launch")
+        if device is None:
+            raise LaunchError("a CUDA kernel launch needs at least one tensor")
+        return device.index or 0
+
+    def _ready_on(self, index: int) -> None:
+        if index in self._ready:
+            return
+        import torch
+
+        with self._lock, torch.cuda.device(index):
+            if index not in self._ready:
+                if self._init() != 0:
+                    raise LaunchError(f"kernel init failed: {self._dll.get_last_error().decode(errors='replace')}")
+                self._ready.add(index)
+
+    def __call__(self, *given: Any) -> None:
+        n = len(given) - len(self._scalar_types)
+        self.bind(given[:n], n)(given[:n], (), given[n:])
+
+    def bind(self, tensors: Sequence[Any], n_in: int | None = None) -> Callable[..., None]:
+        import torch
+
+        from tkjit.ffi import raw_stream
+
+        index = self._device_of(tensors)  # (before opening: a CPU tensor is refused as such on any host)
+        if self._dll is None:
+            self._open()
+        self._ready_on(index)
+        self._type_args(len(tensors))
+        dims, call, fail, stream_of = self._dims(tensors), self._call, self._fail, raw_stream()
+        bind_thread, thread = self._bind_thread, _thread
+        if n_in == 1 and len(tensors) == 2 and not self._scalar_types:  # one input, one output: unrolled
+
+            def go(ins: Sequence[Any], outs: Sequence[Any], scalars: Sequence[Any] = ()) -> None:
+                if index not in getattr(thread, "devices", ()):
+                    bind_thread(index)
+                rc = call(ins[0].data_ptr(), outs[0].data_ptr(), *dims, stream_of(index))
+                if rc != 0:
+                    fail(rc)
+        else:
+
+            def go(ins: Sequence[Any], outs: Sequence[Any], scalars: Sequence[Any] = ()) -> None:
+                if index not in getattr(thread, "devices", ()):
+                    bind_thread(index)
+                rc = call(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in outs], *scalars, *dims,
+                          stream_of(index))
+                if rc != 0:
+                    fail(rc)
+
+        if torch.cuda.device_count() <= 1:
+            return go
+        current, on = torch.cuda.current_device, torch.cuda.device
+
+        def launch(ins: Sequence[Any], outs: Sequence[Any], scalars: Sequence[Any] = ()) -> None:
+            if current() == index:
+                go(ins, outs, scalars)
+            else:
+                with on(index):
+                    go(ins, outs, scalars)
+
+        return launch
+
+
+def _load_cudart(lib: Path, meta: dict[str, Any]) -> CudartKernel:
+    return CudartKernel(lib, _dynamic_of(meta), [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())])
+
+
+def _dynamic_of(meta: dict[str, Any]) -> list[tuple[int, int, bool]]:
+    # (arg, axis, is a stride): a runtime size is read off a tensor's shape, a runtime stride off its strides.
+    return [(int(d["arg"]), int(d["stride"]), True) if "stride" in d else (int(d["arg"]), int(d["axis"]), False)
+            for d in meta["abi"]["dynamic"]]
 
 
 _C_SCALARS = {
@@ -164,11 +313,11 @@ _C_SCALARS = {
     "bool": ctypes.c_bool,
 }
 
-LOADERS = {"tvm_ffi": _load_tvm_ffi, "ctypes": _load_ctypes}
+LOADERS = {"tvm_ffi": _load_tvm_ffi, "ctypes": _load_ctypes, "cudart": _load_cudart}
 
 
 def loader_for(arch: str) -> str:
-    return "ctypes" if arch == "cpu" else "tvm_ffi"
+    return launcher_of(arch)
 
 
 def dynamic_args(tensors: Sequence[Any], runtime: Iterable[str]) -> list[dict[str, Any]]:
@@ -211,7 +360,7 @@ def check_abi(
         problem = f"its loader is {abi.get('loader')!r}, {arch} kernels use {loader_for(arch)!r}"
     elif abi.get("scalars", []) != list(scalars):
         problem = f"its scalar args {abi.get('scalars', [])!r} are not the spec's {list(scalars)}"
-    elif abi["loader"] == "ctypes" and abi.get("dynamic") != want_dynamic:
+    elif abi["loader"] in ("ctypes", "cudart") and abi.get("dynamic") != want_dynamic:
         problem = f"its runtime size/stride args {abi.get('dynamic')!r} are not the spec's {want_dynamic}"
     elif abi["loader"] == "tvm_ffi" and not isinstance(abi.get("tilelang_runtime", False), bool):
         problem = "its tilelang_runtime flag is not a bool"

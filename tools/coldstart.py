@@ -28,6 +28,7 @@ import subprocess
 import sys
 import textwrap
 
+from tkjit import envs
 from tkjit.cli import add_shape_arg, parse_shape
 
 CHILD = textwrap.dedent(
@@ -178,7 +179,8 @@ def main() -> int:
         # each run as it ends: a caller's time limit that stops this tool still leaves the runs so far
         print(f"run {i + 1}: {json.dumps(runs[-1])}", flush=True)
     keys = ["ctx_ms", "import_ms", "get_ms", "launch_ms", "tkjit_total_ms", "memo_us", "call_us", "call_out_us"]
-    print(f"{args.kernel} {shape}: {args.runs} fresh processes (median), config from {runs[0]['source']}")
+    print(f"{args.kernel} {shape}: {args.runs} fresh processes (median), config from {runs[0]['source']}, "
+          f"CUDA launcher {envs.launcher()} (TKJIT_LAUNCHER)")
     for k in keys:
         print(f"  {k:15s} {statistics.median(r[k] for r in runs):8.2f}")
     print(f"  tilelang imported: {any(r['tilelang_imported'] for r in runs)}; "

@@ -28,6 +28,7 @@ import torch
 
 import tkjit
 import tkjit.ops
+from tkjit import envs
 
 OPS_US, OPS_X_TOPK, KERNEL_US = 5.0, 0.3, 3.0  # the targets
 
@@ -148,6 +149,7 @@ def main() -> None:
     out = {name: per_call_us(fn, a.calls if "4096" not in name else max(1, a.calls // 10), sync)
            for name, fn in rows.items()}
     ref = out["torch.topk"]
+    print(f"CUDA launcher: {envs.launcher()} (TKJIT_LAUNCHER)")
     print(f"{'call':48s} {'us/call':>8s} {'x torch.topk':>13s}")
     for name, us in out.items():
         print(f"{name:48s} {us:8.2f} {us / ref:13.2f}")
@@ -163,7 +165,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
-                       "torch": torch.__version__, "us_per_call": out, "targets": checks}, f, indent=1)
+                       "torch": torch.__version__, "launcher": envs.launcher(), "us_per_call": out,
+                       "targets": checks}, f, indent=1)
 
 
 if __name__ == "__main__":

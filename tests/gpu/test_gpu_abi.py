@@ -10,6 +10,7 @@ import torch
 
 import tkjit
 from tkjit.errors import ShapeError, TensorError
+from tkjit.loader import loader_for
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
 import abi_specs  # noqa: E402  (registers axpy_inplace, scale_traced and bincount_scaled)
@@ -29,7 +30,7 @@ def test_scalars_inout_and_optional_on_cuda():
     off, on = _axpy(), _axpy(has_bias=True)
     assert off.key != on.key and off.key == _axpy(33).key
     abi = json.loads((on.path / "manifest.json").read_text())["meta"]["abi"]
-    assert abi["loader"] == "tvm_ffi" and abi["scalars"] == [{"name": "alpha", "dtype": "float32"}]
+    assert abi["loader"] == loader_for("sm_90a") and abi["scalars"] == [{"name": "alpha", "dtype": "float32"}]
     for n in (4097, 33, 1):
         x, y, b = (torch.randn(n, device="cuda") for _ in range(3))
         for alpha in (2.0, -0.5):
