@@ -497,6 +497,18 @@ def test_opcheck_and_fake(tokens):
         assert (fk.shape, fk.dtype, fk.stride()) == (r.shape, r.dtype, r.stride())
 
 
+def test_the_mutated_argument_may_be_left_out_and_is_version_bumped_when_given():
+    # torch before 2.12 indexed the dispatcher's args for it, which drop an argument left at its default: an
+    # IndexError on any call without it (pytorch#176078); tkjit registers its own version bump.
+    f = torch.ops.tkjit.top2_sum_gate
+    x, b = _inputs()
+    idx, _ = f(x, b, *ARGS)
+    given = torch.full((37, 6), 7, dtype=torch.int64)
+    before = given._version
+    again, _ = f(x, b, *ARGS, unmapped_topk_idx=given)
+    assert given._version > before and torch.equal(again, idx)
+
+
 def test_ops_compile_and_compat_match_the_reference():
     x, b = _inputs()
     spec = get_spec(NAME)

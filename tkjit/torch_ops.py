@@ -943,8 +943,44 @@ def top2_sum_gate_impl(logits, bias, num_topk, num_topk_groups, num_groups, use_
     return got[-2], got[-1]  # (after unmapped_topk_idx, which the kernel returns first when it takes it)
 
 
-top2_sum_gate = torch.library.custom_op("tkjit::top2_sum_gate", mutates_args=("unmapped_topk_idx",),
-                                        schema=_TOP2_SCHEMA)(top2_sum_gate_impl)
+def _omittable_mutated_args(op):
+    """Re-register the version bump of an op whose mutable argument has a default (`Tensor(a!)? x=None`), so a
+    call that leaves it out works. torch before 2.12 indexed the dispatcher's args for it, and the dispatcher
+    drops arguments left at their default: IndexError (pytorch#176078). As torch's later fix does, a mutated
+    argument that is given gets its version bumped, one left out is skipped. Where this torch refuses the
+    override, its own kernel stays."""
+    import warnings
+
+    from torch._library import utils
+
+    try:
+        overload = op._opoverload
+        idxs, keys = utils.mutated_args_kwargs(overload._schema)
+        after = torch._C._after_ADInplaceOrView_keyset
+        bump = torch.autograd.graph.increment_version
+    except AttributeError:
+        return op
+
+    def version_bump(keyset, *args, **kwargs):
+        for i in idxs:
+            if i < len(args) and args[i] is not None:
+                bump(args[i])
+        for k in keys:
+            if kwargs.get(k) is not None:
+                bump(kwargs[k])
+        return overload.redispatch(keyset & after, *args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch warns that a kernel is overridden)
+        try:
+            op._lib.impl(op._name, version_bump, "ADInplaceOrView", with_keyset=True)
+        except RuntimeError:
+            pass
+    return op
+
+
+top2_sum_gate = _omittable_mutated_args(torch.library.custom_op(
+    "tkjit::top2_sum_gate", mutates_args=("unmapped_topk_idx",), schema=_TOP2_SCHEMA)(top2_sum_gate_impl))
 
 
 @top2_sum_gate.register_fake
@@ -1910,9 +1946,9 @@ def swiglu_forward_and_per_token_cast_impl(x, pos_to_token_topk=None, topk_weigh
     return q, sf
 
 
-swiglu_forward_and_per_token_cast = torch.library.custom_op(
+swiglu_forward_and_per_token_cast = _omittable_mutated_args(torch.library.custom_op(
     "tkjit::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",), schema=_SWIGLU_CAST_SCHEMA
-)(swiglu_forward_and_per_token_cast_impl)
+)(swiglu_forward_and_per_token_cast_impl))
 
 
 @swiglu_forward_and_per_token_cast.register_fake
