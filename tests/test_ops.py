@@ -24,3 +24,19 @@ def test_targets_that_cannot_lower_a_kernel_say_why(cache_dir):
         tkjit.ops.transpose(torch.randn(3, 5).bfloat16())
     with pytest.raises(tkjit.ConfigError, match="CUDA targets only"):
         tkjit.get("topk_gate", {"num_tokens": 4, "num_experts": 64, "k": 2}, arch="cpu")
+
+
+def test_torch_ops_keep_their_autograd_behaviour_on_the_lean_dispatch_path(cache_dir):
+    # tkjit.torch_ops._lean_dispatch skips custom_op's Python layers when no gradient is needed; with one, the
+    # op behaves as custom_op made it: a registered backward runs, an op without one refuses to backprop.
+    x = torch.randn(6, 4, 4, requires_grad=True)
+    y = torch.ops.tkjit.sinkhorn_fwd(x)
+    y.sum().backward()
+    assert x.grad.shape == (6, 4, 4) and torch.isfinite(x.grad).all()
+    t = torch.randn(3, 5, requires_grad=True)
+    out = torch.ops.tkjit.transpose(t)
+    assert out.requires_grad and torch.equal(out.detach(), t.detach().t())
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not torch.ops.tkjit.transpose(t).requires_grad

@@ -22,8 +22,8 @@ shapes, dtypes and strides from the inputs, so torch.compile traces the ops with
 e.g. "{'layout': 'thread', ...}" (`encode_config` writes it); None takes the tuned or default one.
 
 Each op's implementation is also a plain function (`<op>_impl`): `tkjit.ops` calls it directly
-in eager code that needs neither tracing nor autograd, which skips the dispatcher's ~20 us of
-host time per call.
+in eager code that needs neither tracing nor autograd, which skips the dispatcher. Through the
+dispatcher, a call that needs no gradient skips custom_op's Python layers (`_lean_dispatch`).
 
 Custom ops may not return views, so the column-major scales come back as their padded storage
 (num_groups, align(num_tokens, 4)); `tkjit.ops.per_token_cast(..., col_major_scales=True)` returns
@@ -2602,3 +2602,49 @@ def _big_fuse_backward(ctx, *grads):
 
 
 mhc_pre_big_fuse.register_autograd(_big_fuse_backward, setup_context=_big_fuse_setup_context)
+
+
+def _lean_dispatch(op) -> None:
+    """Spare a dispatcher call the Python layers `custom_op` puts around an op's implementation when they have
+    nothing to do (~4 us of the ~9 us it adds; `tools/hostcost.py`). Autograd: without a tensor that needs a
+    gradient, straight below autograd (with one, torch's own autograd kernel: the registered backward, or the
+    error of an op that has none); the implementation: the function itself, not torch's wrapper of it (that
+    wrapper checks in-place and out= returns, which these ops do not declare). Where this torch refuses an
+    override or names things otherwise, its own kernels stay."""
+    import warnings
+
+    from torch import _C
+
+    try:
+        from torch._library.autograd import make_autograd_impl
+    except ImportError:
+        return
+    try:
+        overload, fns = op._opoverload, op._backend_fns
+        below, needs_grad, grad_on = _C._after_autograd_keyset, _C._any_requires_grad, _C.is_grad_enabled
+        below_autograd = _C._AutoDispatchBelowAutograd
+    except AttributeError:
+        return
+    with_grad = []  # torch's autograd kernel, made at the first call that needs it (~0.3 ms an op)
+
+    def autograd(keyset, *args, **kwargs):
+        if grad_on() and needs_grad(*args, **kwargs):
+            if not with_grad:
+                with_grad.append(make_autograd_impl(overload, op))
+            return with_grad[0](keyset, *args, **kwargs)
+        with below_autograd():
+            return overload.redispatch(keyset & below, *args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch warns that a kernel is overridden)
+        try:
+            op._lib.impl(op._name, autograd, "Autograd", with_keyset=True)
+            if list(fns) == [None] and not op._opoverload._schema.is_mutable:
+                op._lib.impl(op._name, fns[None], "CompositeExplicitAutograd")
+        except RuntimeError:
+            pass
+
+
+for _op in [v for v in list(globals().values()) if isinstance(v, torch._library.custom_ops.CustomOpDef)]:
+    _lean_dispatch(_op)
+del _op
