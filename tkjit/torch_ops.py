@@ -2606,11 +2606,12 @@ mhc_pre_big_fuse.register_autograd(_big_fuse_backward, setup_context=_big_fuse_s
 
 def _lean_dispatch(op) -> None:
     """Spare a dispatcher call the Python layers `custom_op` puts around an op's implementation when they have
-    nothing to do (~4 us of the ~9 us it adds; `tools/hostcost.py`). Autograd: without a tensor that needs a
+    nothing to do (about half of the ~8 us they add; `tools/hostcost.py`). Autograd: without a tensor that needs a
     gradient, straight below autograd (with one, torch's own autograd kernel: the registered backward, or the
     error of an op that has none); the implementation: the function itself, not torch's wrapper of it (that
-    wrapper checks in-place and out= returns, which these ops do not declare). Where this torch refuses an
-    override or names things otherwise, its own kernels stay."""
+    wrapper checks in-place and out= returns, which these ops do not declare, and the aliasing of outputs,
+    which their tests check). Where this torch refuses an override or names things otherwise, its own
+    kernels stay."""
     import warnings
 
     from torch import _C
@@ -2620,7 +2621,8 @@ def _lean_dispatch(op) -> None:
     except ImportError:
         return
     try:
-        overload, fns = op._opoverload, op._backend_fns
+        overload, fns, impl = op._opoverload, op._backend_fns, op._init_fn
+        redispatch = overload._handle.redispatch_boxed
         below, needs_grad, grad_on = _C._after_autograd_keyset, _C._any_requires_grad, _C.is_grad_enabled
         below_autograd = _C._AutoDispatchBelowAutograd
     except AttributeError:
@@ -2633,14 +2635,14 @@ def _lean_dispatch(op) -> None:
                 with_grad.append(make_autograd_impl(overload, op))
             return with_grad[0](keyset, *args, **kwargs)
         with below_autograd():
-            return overload.redispatch(keyset & below, *args, **kwargs)
+            return redispatch(keyset & below, *args, **kwargs)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # (torch warns that a kernel is overridden)
         try:
             op._lib.impl(op._name, autograd, "Autograd", with_keyset=True)
-            if list(fns) == [None] and not op._opoverload._schema.is_mutable:
-                op._lib.impl(op._name, fns[None], "CompositeExplicitAutograd")
+            if list(fns) == [None] and impl is not None and not overload._schema.is_mutable:
+                op._lib.impl(op._name, impl, "CompositeExplicitAutograd")
         except RuntimeError:
             pass
 
