@@ -50,9 +50,15 @@ def test_an_unknown_launcher_is_an_error_naming_the_variable(monkeypatch):
         envs.launcher()
 
 
-def _call_params(src: str) -> list[str]:
+def _call_params(src: str) -> list[tuple[str, str]]:
+    """(C type, name) of each parameter of the launcher's `call`."""
     (params,) = re.findall(r'extern "C" TL_EXPORT int call\((.*?)\) \{', src)
-    return [re.split(r"[ *]", p.split("=")[0].strip())[-1] for p in params.split(",")]
+    out = []
+    for p in params.split(","):
+        decl = p.split("=")[0].strip()
+        name = re.split(r"[ *]", decl)[-1]
+        out.append((decl[: -len(name)].replace("__restrict__", "").strip(), name))
+    return out
 
 
 @pytest.mark.parametrize("name, shape", [
@@ -72,9 +78,17 @@ def test_cross_compiled_launcher_takes_the_arguments_its_abi_records(cudart, nam
                      k.spec.abi_scalars())
     # The order the loader passes: the tensors (inputs, then outputs), the scalars, the runtime sizes and strides
     # as recorded, then the stream.
+    params = _call_params((k.path / "launcher.cu").read_text())
     want = ([t.name for t in k.spec.abi_tensors(k.shape)] + [s["name"] for s in abi.get("scalars", ())]
             + [d["name"] for d in abi["dynamic"]] + ["stream"])
-    assert _call_params((k.path / "launcher.cu").read_text()) == want
+    assert [name for _, name in params] == want
+    # The loader passes pointers, the scalars as their C types, 32-bit sizes and strides, then the stream.
+    # (a bool is an int8_t there: one byte, as ctypes' c_bool passes it)
+    c_scalar = {"float32": "float", "int32": "int", "bool": "int8_t", "int64": "int64_t", "float64": "double"}
+    n_t, n_s = len(k.spec.abi_tensors(k.shape)), len(abi.get("scalars", ()))
+    assert all(c.endswith("*") for c, _ in params[:n_t])
+    assert [c for c, _ in params[n_t:n_t + n_s]] == [c_scalar[s["dtype"]] for s in abi.get("scalars", ())]
+    assert [c for c, _ in params[n_t + n_s:]] == ["int"] * len(abi["dynamic"]) + ["cudaStream_t"]
 
 
 @pytest.mark.skipif(not shutil.which("readelf"), reason="no readelf")
