@@ -124,7 +124,8 @@ def _cudart_flags(build_dir: Path) -> list[str]:
     torch has loaded; a static copy would be ~1 MB a kernel), and a link-time stand-in for the driver
     library. TileLang links `-lcuda`, but its wrapper reaches the driver only through the runtime's entry
     points (tensor maps), so nothing is bound to it: a build host without a GPU driver links against an
-    empty libcuda.so (soname libcuda.so.1, as the toolkit's own stub), made once in the private build dir."""
+    empty libcuda.so (soname libcuda.so.1, as the toolkit's own stub), made in the compile's private build
+    dir (one host-compiler call)."""
     import subprocess
 
     stub_dir = build_dir / "stub"
