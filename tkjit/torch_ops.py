@@ -2625,7 +2625,8 @@ def _lean_dispatch(op) -> None:
         redispatch = overload._handle.redispatch_boxed
         below, needs_grad, grad_on = _C._after_autograd_keyset, _C._any_requires_grad, _C.is_grad_enabled
         below_autograd = _C._AutoDispatchBelowAutograd
-    except AttributeError:
+        needs_grad(torch.empty(0), keyword_only=None)  # (as the kernel calls it: keyword arguments too)
+    except (AttributeError, TypeError):
         return
     with_grad = []  # torch's autograd kernel, made at the first call that needs it (~0.3 ms an op)
 
