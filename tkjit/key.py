@@ -127,8 +127,9 @@ def toolchain(arch: str, pinned: Callable[[], Mapping[str, str]] | None = None) 
         tc["machine"] = platform.machine()
     else:
         tc["nvcc"] = nvcc_version()
-        if launcher_of(arch) != "tvm_ffi":  # (recorded only when not the original one: those keys are unchanged)
-            tc["launcher"] = launcher_of(arch)
+        launcher = launcher_of(arch)
+        if launcher != "tvm_ffi":  # (recorded only when not the original one: those keys are unchanged)
+            tc["launcher"] = launcher
     missing = [k for k in PINNABLE if tc.get(k) == "none"] if arch != "cpu" else []
     if missing and pinned is not None:
         record = pinned()

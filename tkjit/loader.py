@@ -156,7 +156,7 @@ def _load_ctypes(lib: Path, meta: dict[str, Any]) -> CtypesKernel:
     if dll.init() != 0:
         raise LaunchError(f"kernel init failed: {dll.get_last_error().decode(errors='replace')}")
     # Scalars follow the tensor pointers (they are the PrimFunc's last params), before the sizes.
-    return CtypesKernel(dll, _dynamic_of(meta), [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())])
+    return CtypesKernel(dll, _dynamic_of(meta), _scalar_types_of(meta))
 
 
 _thread = threading.local()  # .devices: the CUDA devices whose context CudartKernel made current on a thread
@@ -299,13 +299,18 @@ class CudartKernel(CtypesKernel):
 
 
 def _load_cudart(lib: Path, meta: dict[str, Any]) -> CudartKernel:
-    return CudartKernel(lib, _dynamic_of(meta), [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())])
+    return CudartKernel(lib, _dynamic_of(meta), _scalar_types_of(meta))
 
 
 def _dynamic_of(meta: dict[str, Any]) -> list[tuple[int, int, bool]]:
     # (arg, axis, is a stride): a runtime size is read off a tensor's shape, a runtime stride off its strides.
     return [(int(d["arg"]), int(d["stride"]), True) if "stride" in d else (int(d["arg"]), int(d["axis"]), False)
             for d in meta["abi"]["dynamic"]]
+
+
+def _scalar_types_of(meta: dict[str, Any]) -> list[Any]:
+    # The ctypes type of each scalar arg, in order (the C ABIs take them after the tensor pointers).
+    return [_C_SCALARS[s["dtype"]] for s in meta["abi"].get("scalars", ())]
 
 
 _C_SCALARS = {

@@ -943,44 +943,8 @@ def top2_sum_gate_impl(logits, bias, num_topk, num_topk_groups, num_groups, use_
     return got[-2], got[-1]  # (after unmapped_topk_idx, which the kernel returns first when it takes it)
 
 
-def _omittable_mutated_args(op):
-    """Re-register the version bump of an op whose mutable argument has a default (`Tensor(a!)? x=None`), so a
-    call that leaves it out works. torch before 2.12 indexed the dispatcher's args for it, and the dispatcher
-    drops arguments left at their default: IndexError (pytorch#176078). As torch's later fix does, a mutated
-    argument that is given gets its version bumped, one left out is skipped. Where this torch refuses the
-    override, its own kernel stays."""
-    import warnings
-
-    from torch._library import utils
-
-    try:
-        overload = op._opoverload
-        idxs, keys = utils.mutated_args_kwargs(overload._schema)
-        after = torch._C._after_ADInplaceOrView_keyset
-        bump = torch.autograd.graph.increment_version
-    except AttributeError:
-        return op
-
-    def version_bump(keyset, *args, **kwargs):
-        for i in idxs:
-            if i < len(args) and args[i] is not None:
-                bump(args[i])
-        for k in keys:
-            if kwargs.get(k) is not None:
-                bump(kwargs[k])
-        return overload.redispatch(keyset & after, *args, **kwargs)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # (torch warns that a kernel is overridden)
-        try:
-            op._lib.impl(op._name, version_bump, "ADInplaceOrView", with_keyset=True)
-        except RuntimeError:
-            pass
-    return op
-
-
-top2_sum_gate = _omittable_mutated_args(torch.library.custom_op(
-    "tkjit::top2_sum_gate", mutates_args=("unmapped_topk_idx",), schema=_TOP2_SCHEMA)(top2_sum_gate_impl))
+top2_sum_gate = torch.library.custom_op("tkjit::top2_sum_gate", mutates_args=("unmapped_topk_idx",),
+                                        schema=_TOP2_SCHEMA)(top2_sum_gate_impl)
 
 
 @top2_sum_gate.register_fake
@@ -1946,9 +1910,9 @@ def swiglu_forward_and_per_token_cast_impl(x, pos_to_token_topk=None, topk_weigh
     return q, sf
 
 
-swiglu_forward_and_per_token_cast = _omittable_mutated_args(torch.library.custom_op(
+swiglu_forward_and_per_token_cast = torch.library.custom_op(
     "tkjit::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",), schema=_SWIGLU_CAST_SCHEMA
-)(swiglu_forward_and_per_token_cast_impl))
+)(swiglu_forward_and_per_token_cast_impl)
 
 
 @swiglu_forward_and_per_token_cast.register_fake
@@ -2604,16 +2568,57 @@ def _big_fuse_backward(ctx, *grads):
 mhc_pre_big_fuse.register_autograd(_big_fuse_backward, setup_context=_big_fuse_setup_context)
 
 
+def _override(op, key: str, fn, with_keyset: bool = True) -> None:
+    """Register fn as op's kernel for dispatch key `key` in place of custom_op's; where this torch refuses the
+    override, its own kernel stays."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch warns that a kernel is overridden)
+        try:
+            op._lib.impl(op._name, fn, key, with_keyset=with_keyset)
+        except RuntimeError:
+            pass
+
+
+def _version_bump(op) -> None:
+    """The version bump of an op that mutates an argument, so a call that leaves out a mutable argument with a
+    default (`Tensor(a!)? x=None`: top2_sum_gate, swiglu_forward_and_per_token_cast) works. torch before 2.12
+    indexed the dispatcher's args for it, and the dispatcher drops arguments left at their default: IndexError
+    (pytorch#176078). As torch's later fix does, a mutated argument that is given gets its version bumped, one
+    left out is skipped."""
+    from torch._library import utils
+
+    try:
+        overload = op._opoverload
+        schema = overload._schema
+        if not schema.is_mutable or schema._is_view_op():
+            return
+        idxs, keys = utils.mutated_args_kwargs(schema)
+        redispatch, after = overload._handle.redispatch_boxed, torch._C._after_ADInplaceOrView_keyset
+        bump = torch.autograd.graph.increment_version
+    except AttributeError:
+        return
+
+    def version_bump(keyset, *args, **kwargs):
+        for i in idxs:
+            if i < len(args) and args[i] is not None:
+                bump(args[i])
+        for k in keys:
+            if kwargs.get(k) is not None:
+                bump(kwargs[k])
+        return redispatch(keyset & after, *args, **kwargs)
+
+    _override(op, "ADInplaceOrView", version_bump)
+
+
 def _lean_dispatch(op) -> None:
     """Spare a dispatcher call the Python layers `custom_op` puts around an op's implementation when they have
     nothing to do (about half of the ~8 us they add; `tools/hostcost.py`). Autograd: without a tensor that needs a
     gradient, straight below autograd (with one, torch's own autograd kernel: the registered backward, or the
     error of an op that has none); the implementation: the function itself, not torch's wrapper of it (that
     wrapper checks in-place and out= returns, which these ops do not declare, and the aliasing of outputs,
-    which their tests check). Where this torch refuses an override or names things otherwise, its own
-    kernels stay."""
-    import warnings
-
+    which their tests check). Where this torch names things otherwise, its own kernels stay."""
     from torch import _C
 
     try:
@@ -2638,16 +2643,12 @@ def _lean_dispatch(op) -> None:
         with below_autograd():
             return redispatch(keyset & below, *args, **kwargs)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # (torch warns that a kernel is overridden)
-        try:
-            op._lib.impl(op._name, autograd, "Autograd", with_keyset=True)
-            if list(fns) == [None] and impl is not None and not overload._schema.is_mutable:
-                op._lib.impl(op._name, impl, "CompositeExplicitAutograd")
-        except RuntimeError:
-            pass
+    _override(op, "Autograd", autograd)
+    if list(fns) == [None] and impl is not None and not overload._schema.is_mutable:
+        _override(op, "CompositeExplicitAutograd", impl, with_keyset=False)
 
 
 for _op in [v for v in list(globals().values()) if isinstance(v, torch._library.custom_ops.CustomOpDef)]:
+    _version_bump(_op)
     _lean_dispatch(_op)
 del _op
