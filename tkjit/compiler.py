@@ -78,6 +78,16 @@ def _check_nvcc() -> None:
 
 _tmp_lock = threading.Lock()
 
+# TileLang names a library after its temp source file by a plain string replace over the whole path
+# (`name.replace(".cpp", ".so")`, ".cu" for CUDA launchers): a dir anywhere above the temp file whose
+# name holds one of these (a cache root `~/.cuda-cache`, a random mkdtemp suffix starting "cu")
+# would be rewritten too, and the compiler asked to write into a dir that does not exist.
+_SOURCE_SUFFIXES = (".cu", ".cpp", ".asc")
+
+
+def _names_a_source_suffix(d: Path) -> bool:
+    return any(s in os.path.realpath(d) for s in _SOURCE_SUFFIXES)
+
 
 @contextlib.contextmanager
 def private_build_dir(beside: Path) -> Iterator[Path]:
@@ -85,12 +95,24 @@ def private_build_dir(beside: Path) -> Iterator[Path]:
     child compilers use meanwhile; removed afterwards.
 
     mkdtemp makes it 0700 with O_EXCL semantics, so nobody else can have made it or put anything
-    in it. Beside a cache staging dir it is named after the key, so a compile killed midway leaves
-    nothing that the cache's staging cleanup does not remove. `tempfile.tempdir` is process-wide:
-    compiles in one process take turns.
+    in it. Beside a cache staging dir it is named after the key (`<key>.build-XXXX`), so a compile
+    killed midway leaves nothing that the cache's staging cleanup does not remove. Where the path
+    beside the output holds a source suffix (see _SOURCE_SUFFIXES) it goes in the system temp dir
+    instead. `tempfile.tempdir` is process-wide: compiles in one process take turns.
     """
     with _tmp_lock:
-        d = Path(tempfile.mkdtemp(prefix=f"{beside.name}.build.", dir=beside.parent))
+        stem = beside.name.split(".", 1)[0]  # after "-" a random suffix can start with anything
+        d = Path(tempfile.mkdtemp(prefix=f"{stem}.build-", dir=beside.parent))
+        if _names_a_source_suffix(d):
+            shutil.rmtree(d, ignore_errors=True)
+            d = Path(tempfile.mkdtemp(prefix="tkjit-build-"))
+            if _names_a_source_suffix(d):
+                shutil.rmtree(d, ignore_errors=True)
+                raise CompileError(
+                    f"TileLang cannot compile in {beside.parent} nor in {d.parent}: their paths hold one of "
+                    f"{', '.join(_SOURCE_SUFFIXES)}, which TileLang's library naming rewrites; set TMPDIR "
+                    "to a dir whose path does not"
+                )
         try:
             check_private(d, is_dir=True)
             saved = tempfile.tempdir, os.environ.get("TMPDIR")
