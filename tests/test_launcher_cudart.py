@@ -68,6 +68,8 @@ def _call_params(src: str) -> list[tuple[str, str]]:
     # One expert a token: the builder's num_tokens * num_topk is num_tokens itself, and a name given to it
     # renamed that size in the launcher's signature (the compile refused it, naming both).
     ("get_fused_mapping", {"num_tokens": 64, "num_expanded_tokens": 512, "num_topk": 1, "num_experts": 4}),
+    ("group_count", {"num_tokens": 64, "num_topk": 1, "num_groups": 8}),
+    ("aux_fi", {"num_tokens": 64, "num_topk": 1, "num_experts": 8}),
 ])
 def test_cross_compiled_launcher_takes_the_arguments_its_abi_records(cudart, name, shape):
     k = tkjit.get(name, shape, arch="sm_90a")
@@ -78,14 +80,15 @@ def test_cross_compiled_launcher_takes_the_arguments_its_abi_records(cudart, nam
                      k.spec.abi_scalars())
     # The order the loader passes: the tensors (inputs, then outputs), the scalars, the runtime sizes and strides
     # as recorded, then the stream.
+    # (tensors by position: a builder may name its buffer params as it likes, e.g. a flattened view)
     params = _call_params((k.path / "launcher.cu").read_text())
-    want = ([t.name for t in k.spec.abi_tensors(k.shape)] + [s["name"] for s in abi.get("scalars", ())]
-            + [d["name"] for d in abi["dynamic"]] + ["stream"])
-    assert [name for _, name in params] == want
+    n_t = len(k.spec.abi_tensors(k.shape))
+    want = [s["name"] for s in abi.get("scalars", ())] + [d["name"] for d in abi["dynamic"]] + ["stream"]
+    assert [name for _, name in params[n_t:]] == want
     # The loader passes pointers, the scalars as their C types, 32-bit sizes and strides, then the stream.
     # (a bool is an int8_t there: one byte, as ctypes' c_bool passes it)
     c_scalar = {"float32": "float", "int32": "int", "bool": "int8_t", "int64": "int64_t", "float64": "double"}
-    n_t, n_s = len(k.spec.abi_tensors(k.shape)), len(abi.get("scalars", ()))
+    n_s = len(abi.get("scalars", ()))
     assert all(c.endswith("*") for c, _ in params[:n_t])
     assert [c for c, _ in params[n_t:n_t + n_s]] == [c_scalar[s["dtype"]] for s in abi.get("scalars", ())]
     assert [c for c, _ in params[n_t + n_s:]] == ["int"] * len(abi["dynamic"]) + ["cudaStream_t"]

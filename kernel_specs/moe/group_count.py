@@ -156,14 +156,15 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
 
     @T.macro
     def grid_count(flat, smem, bx, tx):
-        total = num_tokens * K
+        # (num_tokens * K written out, not named: with K = 1 it is num_tokens itself, and a name given to it
+        # would rename the runtime size the launcher passes)
         for j in T.serial(padded // threads):
             smem[j * threads + tx] = 0
         T.sync_threads()
         ids_local = T.alloc_local((vec,), i64)
-        for it in T.serial(T.ceildiv(total, step)):
+        for it in T.serial(T.ceildiv(num_tokens * K, step)):
             base = ((it * blocks + bx) * threads + tx) * vec
-            if base + vec <= total:
+            if base + vec <= num_tokens * K:
                 if vec <= 2:
                     for v in T.vectorized(vec):
                         ids_local[v] = flat[base + v]
@@ -173,7 +174,9 @@ def build_counts(shape: dict, c: dict, ids: str, with_fi: bool):
                             ids_local[u * 2 + v] = flat[base + u * 2 + v]
             else:  # the grid's last partial step: element by element, nothing past the end
                 for v in T.unroll(vec):
-                    ids_local[v] = T.if_then_else(base + v < total, flat[T.min(base + v, total - 1)], T.int64(-1))
+                    ids_local[v] = T.if_then_else(
+                        base + v < num_tokens * K, flat[T.min(base + v, num_tokens * K - 1)], T.int64(-1)
+                    )
             for v in T.unroll(vec):
                 if valid(ids_local[v]):
                     T.atomic_add(smem[T.cast(ids_local[v], i32)], 1)
@@ -309,7 +312,7 @@ def aux_fi_reference(shape: dict, topk_idx: torch.Tensor, num_aux_topk: int) -> 
     e = shape["num_experts"]
     counts = count_reference(topk_idx, e)
     fi = fi_reference(counts, e, topk_idx.shape[0], num_aux_topk)
-    return fi, torch.cat([counts.to(torch.int32), torch.zeros(1, dtype=torch.int32)])
+    return fi, torch.cat([counts.to(torch.int32), counts.new_zeros(1, dtype=torch.int32)])
 
 
 def group_count_inputs(shape: dict, device: str = "cpu", seed: int = 0) -> tuple:
