@@ -39,8 +39,8 @@
 #             # in 11 processes split by hidden size and expert count: each process builds its share of
 #             # TileKernels' ~500 kernels, one at a time (tkjit's come from .gpu/prebuilt.tgz), then the
 #             # benchmark table of the five compat ops (COMPILE=1 adds torch.compile)
-#   cudart    # the GPU test files under TKJIT_LAUNCHER=cudart, a third a run ($PART 1-3); PART=1 adds host cost and
-#             # cold start under both launchers
+#   cudart    # the GPU test files under TKJIT_LAUNCHER=cudart, a third a run ($PART 1-3, or $FILES); PART=1 first
+#             # times host cost and cold start under both launchers
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -207,13 +207,10 @@ compat)
   KERNELS=$KERNELS,per_token_cast_e5m6,per_token_cast_e5m6_colmajor BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} bash "$0" bench
   ;;
 cudart)
-  # The second CUDA launcher (TKJIT_LAUNCHER=cudart) over the GPU test files, side by side ($PART: 1, 2 or 3, a
-  # third of the files each, every-config tests left out; kernels compile here), then (PART=1) host cost and
-  # cold start under both launchers on this host, for the README's "Launch path" figures.
-  all=$(ls tests/gpu/test_gpu_*.py | sed 's|tests/gpu/test_gpu_||; s|\.py$||' | grep -v '^compat_tile_kernels$' | sort)
-  n=$(echo "$all" | wc -l); per=$(( (n + 2) / 3 )); part=${PART:-1}
-  files=$(echo "$all" | sed -n "$(( (part - 1) * per + 1 )),$(( part * per ))p" | sed 's/$/:not every/' | paste -sd';')
-  TKJIT_LAUNCHER=cudart FILES="$files" TEST_TIMEOUT=${TEST_TIMEOUT:-300} bash "$0" parallel
+  # The second CUDA launcher (TKJIT_LAUNCHER=cudart): (PART=1) host cost and cold start under both launchers first,
+  # on a quiet host, for the README's "Launch path" figures; then the GPU test files side by side ($PART: 1, 2 or 3,
+  # a third of the files each, every-config tests left out; or $FILES as `parallel` takes it), kernels compiled here.
+  part=${PART:-1}
   if [ "$part" = 1 ]; then
     for l in tvm_ffi cudart; do
       TKJIT_LAUNCHER=$l timeout 100 python tools/hostcost.py --json "$OUT/hostcost_$l.json" > "$OUT/hostcost_$l.txt" 2>&1
@@ -221,6 +218,10 @@ cudart)
     done
     grep -hE "launcher|us/call|tkjit|target" "$OUT"/hostcost_*.txt; grep -hE "launcher|_ms|target" "$OUT"/coldstart_*.txt
   fi
+  all=$(ls tests/gpu/test_gpu_*.py | sed 's|tests/gpu/test_gpu_||; s|\.py$||' | grep -v '^compat_tile_kernels$' | sort)
+  n=$(echo "$all" | wc -l); per=$(( (n + 2) / 3 ))
+  files=${FILES:-$(echo "$all" | sed -n "$(( (part - 1) * per + 1 )),$(( part * per ))p" | sed 's/$/:not every/' | paste -sd';')}
+  TKJIT_LAUNCHER=cudart FILES="$files" TEST_TIMEOUT=${TEST_TIMEOUT:-300} bash "$0" parallel
   ;;
 s9)
   case "${PART:-tests1}" in
