@@ -648,3 +648,37 @@ def test_compat_argument_errors():
             fn(x, b, *ARGS, **kw)
     with pytest.raises(NotImplementedError, match="num_experts"):
         fn(torch.randn(3, 66), torch.randn(66), 6, 0, 0, False, 0, 1.0, 0, 1, 0, 1, "sigmoid")
+
+
+def test_compat_repeat_calls_skip_the_checks_and_stay_exact(monkeypatch):
+    """A signature checked once goes straight to its kernel: fresh inputs stay bit-exact, every argument that
+    differs (a value, its type, a stride, an optional tensor) is checked again, and reset() forgets them."""
+    from tkjit.compat.tile_kernels import moe as compat_moe
+
+    spec = get_spec(NAME)
+    shape = spec.canonical_shape(_shape(64, 6, 8, 2, n=37))
+    tkjit.reset()  # (another test's calls may have checked this signature)
+    checks = []
+    real_tensor = compat_moe.tensor
+    monkeypatch.setattr(compat_moe, "tensor", lambda *a, **kw: (checks.append(a[1]), real_tensor(*a, **kw))[1])
+    for seed in range(3):
+        x, b = _inputs(seed=seed)
+        got = tk_moe.top2_sum_gate(x, b, *ARGS)
+        want = tkjit.ops.top2_sum_gate(x, b, *ARGS)  # the checked path, same kernel
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[0], spec.reference(shape, x, b, 2.5, 0, 16, 1, 2)[0])
+    assert checks == ["logits", "bias"]  # the first call only
+    with pytest.raises(ShapeError, match=r"num_topk \(65\) must be in"):
+        tk_moe.top2_sum_gate(x, b, 65, *ARGS[1:])
+    with pytest.raises(ShapeError, match="use_shared_as_routed must be a bool"):
+        tk_moe.top2_sum_gate(x, b, *ARGS[:3], 0, *ARGS[4:])  # equal to False, not a bool
+    with pytest.raises(TensorError, match="logits and bias must be contiguous"):
+        tk_moe.top2_sum_gate(x.t().contiguous().t(), b, *ARGS)
+    with pytest.raises(TensorError, match="mask has 36 entries"):
+        tk_moe.top2_sum_gate(x, b, *ARGS, mask=torch.ones(36, dtype=torch.bool))
+    other = tk_moe.top2_sum_gate(x, b, *ARGS[:5], 1.0, *ARGS[6:])  # another scale: checked, its own scalars
+    torch.testing.assert_close(other[1] * 2.5, got[1], rtol=1e-6, atol=0)
+    checks.clear()
+    tkjit.reset()
+    tk_moe.top2_sum_gate(x, b, *ARGS)
+    assert checks == ["logits", "bias"]

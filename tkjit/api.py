@@ -22,6 +22,7 @@ from tkjit.tuning_db import choose_config
 _memo: dict[tuple, CompiledKernel] = {}  # exact get() arguments (canonical order) -> kernel
 _fast: dict[tuple, CompiledKernel] = {}  # get(name, dict, arch=...) as called -> kernel (the hot path)
 _by_key: dict[str, Callable[..., Any]] = {}  # cache key -> loaded launcher (one dlopen per binary)
+_calls: list[dict] = []  # ops' memos of checked call signatures (call_memo); reset() clears them too
 _lock = threading.Lock()
 _chosen: set[tuple] = set()  # (kernel, shape bucket, arch) whose config choice was logged
 log = logging.getLogger("tkjit.api")
@@ -33,7 +34,18 @@ def reset() -> None:
         _memo.clear()
         _fast.clear()
         _by_key.clear()
+        for m in _calls:
+            m.clear()
         reset_cache()
+
+
+def call_memo() -> dict:
+    """A dict for an op's checked call signatures (signature -> what a call with it resolved to: its kernel
+    object, its scalars), so a repeat call skips the argument checks and the config choice; cleared by
+    reset(), since what it holds came from the cache and the config in force then."""
+    m: dict = {}
+    _calls.append(m)
+    return m
 
 
 def _freeze(d: Mapping | None) -> tuple | None:

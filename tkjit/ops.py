@@ -31,7 +31,7 @@ _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
-def _eager(*tensors: torch.Tensor) -> bool:
+def is_eager(*tensors: torch.Tensor) -> bool:
     """True when a call needs neither the dispatcher nor autograd: plain tensors, not traced, no
     gradient wanted. Then the op's implementation runs directly (the same code the custom op runs)
     and the dispatcher's host cost is saved; anything else (torch.compile, FakeTensor or meta
@@ -47,7 +47,7 @@ def _eager(*tensors: torch.Tensor) -> bool:
 def sinkhorn_fwd(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6, *, config=None) -> torch.Tensor:
     """(num_tokens, n, n) float32 -> Sinkhorn-normalised, TileKernels semantics. Differentiable
     (the gradient runs sinkhorn_bwd); `sinkhorn` takes any (..., n, n)."""
-    if _eager(x):
+    if is_eager(x):
         return torch_ops.sinkhorn_fwd_impl(x, repeat, eps, encode_config(config))
     if plain(x):  # eager, with a gradient wanted: the autograd.Function, not the op's Python wrapper
         return SinkhornFunction.apply(x, repeat, eps, encode_config(config), None)
@@ -57,7 +57,7 @@ def sinkhorn_fwd(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6, *, config
 def sinkhorn_bwd(grad_out: torch.Tensor, x: torch.Tensor, repeat: int = 10, eps: float = 1e-6, *,
                  config=None) -> torch.Tensor:
     """dL/dx of sinkhorn_fwd(x, repeat, eps) given dL/dy, both (num_tokens, n, n) float32."""
-    if _eager(grad_out, x):
+    if is_eager(grad_out, x):
         return torch_ops.sinkhorn_bwd_impl(grad_out, x, repeat, eps, encode_config(config))
     return _sinkhorn_bwd(grad_out, x, repeat, eps, encode_config(config))
 
@@ -69,7 +69,7 @@ def sinkhorn(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tens
 
 def topk_gate(scores: torch.Tensor, k: int, *, config=None) -> torch.Tensor:
     """(num_tokens, num_experts) float32 -> int64 (num_tokens, k) indices, best first, ties to lower index."""
-    if _eager(scores):
+    if is_eager(scores):
         return torch_ops.topk_gate_impl(scores, k, encode_config(config))
     return _topk_gate(scores, k, encode_config(config))
 
@@ -93,7 +93,7 @@ def per_token_cast(
     """
     if packed_ue8m0 and not col_major_scales:
         raise ShapeError("per_token_cast: packed_ue8m0 needs col_major_scales=True (the packed layout is column-major)")
-    eager = _eager(x)
+    eager = is_eager(x)
     if not col_major_scales:
         op = torch_ops.per_token_cast_impl if eager else _per_token_cast
         return op(x, group, round_scale, encode_config(config))
@@ -106,7 +106,7 @@ def per_token_cast(
 
 def transpose(x: torch.Tensor, *, config=None) -> torch.Tensor:
     """(rows, cols) -> (cols, rows), or (batch, rows, cols) -> (batch, cols, rows), bit-exact."""
-    if _eager(x):
+    if is_eager(x):
         return torch_ops.transpose_impl(x, encode_config(config))
     return _transpose(x, encode_config(config))
 
@@ -114,7 +114,7 @@ def transpose(x: torch.Tensor, *, config=None) -> torch.Tensor:
 def normalize_weight(topk_weights: torch.Tensor, *, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_tokens, num_topk) float32 -> (denominator, normalized): the in-order float32 sum from 1e-20
     and the weights divided by it, bit-identical to TileKernels."""
-    if _eager(topk_weights):
+    if is_eager(topk_weights):
         return torch_ops.normalize_weight_impl(topk_weights, encode_config(config))
     return torch.ops.tkjit.normalize_weight.default(topk_weights, encode_config(config))
 
@@ -122,7 +122,7 @@ def normalize_weight(topk_weights: torch.Tensor, *, config=None) -> tuple[torch.
 def mask_indices_by_tp(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank: int, num_tp_ranks: int, *,
                        config=None) -> torch.Tensor:
     """int32/int64 expert indices -> this TP rank's local expert indices, -1 for other ranks' experts."""
-    if _eager(indices):
+    if is_eager(indices):
         return torch_ops.mask_indices_by_tp_impl(indices, n, num_ep_ranks, tp_rank, num_tp_ranks, encode_config(config))
     return torch.ops.tkjit.mask_indices_by_tp.default(indices, n, num_ep_ranks, tp_rank, num_tp_ranks,
                                                       encode_config(config))
@@ -130,14 +130,14 @@ def mask_indices_by_tp(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank
 
 def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int, *, config=None) -> None:
     """In place on (num_tokens, num_topk) int64: repeats of a group id in a row after its first occurrence -> -1."""
-    if _eager(group_indices):
+    if is_eager(group_indices):
         return torch_ops.inplace_unique_group_indices_impl(group_indices, num_groups, encode_config(config))
     return torch.ops.tkjit.inplace_unique_group_indices.default(group_indices, num_groups, encode_config(config))
 
 
 def group_count(group_idx: torch.Tensor, num_groups: int, *, config=None) -> torch.Tensor:
     """int64 (num_tokens, num_topk) ids -> int32 (num_groups,) counts; entries < 0 (or >= num_groups) skipped."""
-    if _eager(group_idx):
+    if is_eager(group_idx):
         return torch_ops.group_count_impl(group_idx, num_groups, encode_config(config))
     return torch.ops.tkjit.group_count.default(group_idx, num_groups, encode_config(config))
 
@@ -145,7 +145,7 @@ def group_count(group_idx: torch.Tensor, num_groups: int, *, config=None) -> tor
 def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int, *, config=None) -> torch.Tensor:
     """int64 (num_tokens, num_topk) expert ids -> float32 (num_experts,) f_i = count * num_experts /
     (num_tokens * num_aux_topk), bit-identical to TileKernels' torch reference on the CPU."""
-    if _eager(topk_idx):
+    if is_eager(topk_idx):
         return torch_ops.aux_fi_impl(topk_idx, num_experts, num_aux_topk, encode_config(config))
     return torch.ops.tkjit.aux_fi.default(topk_idx, num_experts, num_aux_topk, encode_config(config))
 
@@ -154,7 +154,7 @@ def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_top
                                 config=None) -> torch.Tensor:
     """(num_tokens, num_groups, experts_per_group) float32 -> int64 (num_tokens, num_topk_groups): the groups
     with the largest sums of their num_topk_sum (1 or 2) best scores, best first, ties to the smaller group."""
-    if _eager(scores):
+    if is_eager(scores):
         return torch_ops.topk_sum_and_topk_group_idx_impl(scores, num_topk_sum, num_topk_groups,
                                                           encode_config(config))
     return torch.ops.tkjit.topk_sum_and_topk_group_idx.default(scores, num_topk_sum, num_topk_groups,
@@ -165,7 +165,7 @@ def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_exp
                     config=None) -> torch.Tensor:
     """x (num_tokens, hidden) -> (num_expanded_tokens, hidden): row t copied to every valid position
     token_topk_to_pos[t, k]; padding rows (pos_to_expert < 0) zero; bit-exact (TileKernels semantics)."""
-    if _eager(x, token_topk_to_pos, pos_to_expert):
+    if is_eager(x, token_topk_to_pos, pos_to_expert):
         return torch_ops.expand_to_fused_impl(x, token_topk_to_pos, pos_to_expert, encode_config(config))
     return torch.ops.tkjit.expand_to_fused.default(x, token_topk_to_pos, pos_to_expert, encode_config(config))
 
@@ -179,13 +179,13 @@ def reduce_fused(x: torch.Tensor, topk_weights: torch.Tensor | None, token_topk_
     tensors = [t for t in (x, topk_weights, token_topk_to_pos, sf, x_sf, out) if t is not None]
     cfg = encode_config(config)
     if out is not None:
-        if _eager(*tensors):
+        if is_eager(*tensors):
             torch_ops.reduce_fused_out_impl(x, topk_weights, token_topk_to_pos, out, fp8_format, sf, x_sf, cfg)
         else:
             torch.ops.tkjit.reduce_fused_out.default(x, topk_weights, token_topk_to_pos, out, fp8_format, sf, x_sf,
                                                      cfg)
         return out
-    if _eager(*tensors):
+    if is_eager(*tensors):
         return torch_ops.reduce_fused_impl(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, cfg)
     return torch.ops.tkjit.reduce_fused.default(x, topk_weights, token_topk_to_pos, fp8_format, sf, x_sf, cfg)
 
@@ -206,7 +206,7 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
     if should_sync:
         n, k = topk_idx.shape
         num_expanded_tokens = upper_bound(n, k, num_experts, alignment)
-    if _eager(topk_idx):
+    if is_eager(topk_idx):
         outs = torch_ops.get_fused_mapping_pooled(topk_idx, num_experts, num_expanded_tokens, alignment,
                                                   encode_config(config))
     else:
@@ -233,7 +233,7 @@ def expand_to_fused_with_sf(x: tuple[torch.Tensor, torch.Tensor], num_per_channe
     data, sf = x
     cfg = encode_config(config)
     args = (data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, bool(use_tma_aligned_col_major_sf), cfg)
-    if _eager(data, sf, token_topk_to_pos, pos_to_expert):
+    if is_eager(data, sf, token_topk_to_pos, pos_to_expert):
         out, out_sf = torch_ops.expand_to_fused_with_sf_impl(*args)
     else:
         out, out_sf = torch.ops.tkjit.expand_to_fused_with_sf.default(*args)
@@ -261,7 +261,7 @@ def top2_sum_gate(logits: torch.Tensor, bias: torch.Tensor, num_topk: int, num_t
             to_physical_map, logical_count, unmapped_topk_idx, encode_config(config))
     tensors = [t for t in (logits, bias, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
                if t is not None]
-    if _eager(*tensors):
+    if is_eager(*tensors):
         return torch_ops.top2_sum_gate_impl(*args)
     return torch.ops.tkjit.top2_sum_gate.default(*args)
 
@@ -272,7 +272,7 @@ def engram_hash(ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_
     (num_tokens, N) int32, multipliers (L, N) int64, vocab_sizes (L, N - 1, E) int32, offsets
     (L, (N - 1) * E) int32 -> int32 (L, num_tokens, (N - 1) * E): the xor of the wrapping int64 products
     id * multiplier over the n-gram's tokens, floor-mod each table's size, plus its offset; bit-exact."""
-    if _eager(ngram_token_ids, multipliers, vocab_sizes, offsets):
+    if is_eager(ngram_token_ids, multipliers, vocab_sizes, offsets):
         return torch_ops.engram_hash_impl(ngram_token_ids, multipliers, vocab_sizes, offsets, encode_config(config))
     return torch.ops.tkjit.engram_hash.default(ngram_token_ids, multipliers, vocab_sizes, offsets,
                                                encode_config(config))
@@ -281,7 +281,7 @@ def engram_hash(ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_
 def fused_weight(weight_hidden: torch.Tensor, weight_embed: torch.Tensor, *, config=None) -> torch.Tensor:
     """(hc_mult, hidden_size) bfloat16 weights -> float32 weight_hidden * weight_embed (TileKernels'
     `engram.fused_weight`), bit-identical to torch's float32 product."""
-    if _eager(weight_hidden, weight_embed):
+    if is_eager(weight_hidden, weight_embed):
         return torch_ops.fused_weight_impl(weight_hidden, weight_embed, encode_config(config))
     return torch.ops.tkjit.fused_weight.default(weight_hidden, weight_embed, encode_config(config))
 
@@ -313,7 +313,7 @@ def _cast_back(name: str, x: torch.Tensor, sf: torch.Tensor, block_size, out_dty
     cfg = encode_config(config)
     if sf.stride(0) == 1:
         name, sf = f"{name}_colmajor", sf.T
-    if _eager(x, sf):
+    if is_eager(x, sf):
         return getattr(torch_ops, f"{name}_impl")(x, sf, bt, bc, od, cfg)
     return getattr(torch.ops.tkjit, name).default(x, sf, bt, bc, od, cfg)
 
@@ -337,7 +337,7 @@ def per_block_cast(
         raise ShapeError("per_block_cast: packed_ue8m0 needs col_major_scales=True (the packed layout is column-major)")
     block_m, block_k = block_size
     cfg = encode_config(config)
-    eager = _eager(x)
+    eager = is_eager(x)
     if not col_major_scales:
         op = torch_ops.per_block_cast_impl if eager else torch.ops.tkjit.per_block_cast.default
         return op(x, block_m, block_k, round_scale, fmt, cfg)
@@ -354,7 +354,7 @@ def per_block_cast_with_sf(x: torch.Tensor, sf: torch.Tensor, block_size: tuple[
     row-major (any row stride): fmt 'e4m3' fp8 of clamp(x * (1 / sf), -448, 448) per tile, or 'e2m1' the FP4 codes
     of x * (1 / sf) (saturating at 6), two per int8 (num_tokens, hidden / 2)."""
     block_m, block_k = block_size
-    op = torch_ops.per_block_cast_with_sf_impl if _eager(x, sf) else torch.ops.tkjit.per_block_cast_with_sf.default
+    op = torch_ops.per_block_cast_with_sf_impl if is_eager(x, sf) else torch.ops.tkjit.per_block_cast_with_sf.default
     return op(x, sf, block_m, block_k, fmt, encode_config(config))
 
 
@@ -366,7 +366,7 @@ def per_channel_cast(x: torch.Tensor, num_per_tokens: int = 128, *, round_scale:
     (num_tokens / num_per_tokens, hidden)): one scale per channel and block of num_per_tokens (32 or 128)
     consecutive tokens, amax / 448 (round_scale: rounded up to a power of two); TileKernels'
     `per_channel_cast`. num_tokens must be a multiple of num_per_tokens."""
-    if _eager(x):
+    if is_eager(x):
         return torch_ops.per_channel_cast_impl(x, num_per_tokens, round_scale, encode_config(config))
     return torch.ops.tkjit.per_channel_cast.default(x, num_per_tokens, round_scale, encode_config(config))
 
@@ -376,7 +376,7 @@ def per_channel_cast_and_transpose(x: torch.Tensor, num_per_tokens: int = 128, *
     """per_channel_cast with the values transposed: (fp8 e4m3 (hidden, num_tokens), float32 scales
     (num_tokens / num_per_tokens, hidden)); TileKernels' `per_channel_cast_and_transpose`."""
     args = (x, num_per_tokens, round_scale, encode_config(config))
-    if _eager(x):
+    if is_eager(x):
         return torch_ops.per_channel_cast_and_transpose_impl(*args)
     return torch.ops.tkjit.per_channel_cast_and_transpose.default(*args)
 
@@ -438,7 +438,7 @@ def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None 
     flat = hidden.view(-1, h)
     o = out.view(-1, mhc_mult, h) if out is not None else None
     cfg, bcfg = encode_config(config), encode_config(bwd_config)
-    if _eager(flat, *([o] if o is not None else [])):
+    if is_eager(flat, *([o] if o is not None else [])):
         if o is not None:
             torch_ops.expand_to_mhc_impl(flat, mhc_mult, cfg, out=o)
             return out
@@ -457,7 +457,7 @@ def expand_to_mhc_bwd(out_grad: torch.Tensor, *, config=None) -> torch.Tensor:
     _mhc_tensor("expand_to_mhc_bwd", "out_grad", out_grad, 2, torch.bfloat16, "(..., mhc_mult, hidden)")
     m, h = out_grad.shape[-2:]
     flat = out_grad.reshape(-1, m, h)
-    if _eager(flat):
+    if is_eager(flat):
         g = torch_ops.expand_to_mhc_bwd_impl(flat, encode_config(config))
     else:
         g = torch.ops.tkjit.expand_to_mhc_bwd.default(flat, encode_config(config))
@@ -478,7 +478,7 @@ def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | No
     xf, mf = x.view(-1, m, h), mix.reshape(-1, m)
     o = out.view(-1, h) if out is not None else None
     cfg, bcfg = encode_config(config), encode_config(bwd_config)
-    if _eager(xf, mf, *([o] if o is not None else [])):
+    if is_eager(xf, mf, *([o] if o is not None else [])):
         if o is not None:
             torch_ops.pre_apply_mix_impl(xf, mf, cfg, out=o)
             return out
@@ -505,11 +505,11 @@ def mhc_pre_apply_mix_bwd(grad_out: torch.Tensor, x: torch.Tensor, mix: torch.Te
         raise TensorError(f"{fn}: grad_out must have shape {(*x.shape[:-2], h)}, got {tuple(grad_out.shape)}")
     g, xf, mf = grad_out.reshape(-1, h), x.view(-1, m, h), mix.reshape(-1, m)
     cfg = encode_config(config)
-    eager = _eager(g, xf, mf)
+    eager = is_eager(g, xf, mf)
     if x_grad is not None:
         _mhc_out(fn, x_grad, tuple(x.shape), x.device, "x_grad")
         xg = x_grad.view(-1, m, h)
-        if eager and _eager(xg):
+        if eager and is_eager(xg):
             mix_grad = torch_ops.pre_apply_mix_bwd_acc_impl(g, xf, mf, xg, cfg)
         else:
             mix_grad = torch.ops.tkjit.pre_apply_mix_bwd_acc.default(g, xf, mf, xg, cfg)
@@ -536,10 +536,10 @@ def mhc_post_fwd(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.
     if out is not None:
         if _grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
             raise TensorError("mhc_post_fwd: out= is not differentiable (an input requires grad); call it without out")
-        if _eager(*tensors, out):
+        if is_eager(*tensors, out):
             return torch_ops.mhc_post_fwd_into(*tensors, encode_config(config), out=out)
         return out.copy_(mhc_post_flat(*tensors, config))  # traced: the op, then a copy the graph may fuse
-    if _eager(*tensors):
+    if is_eager(*tensors):
         return torch_ops.mhc_post_fwd_impl(*tensors, encode_config(config))
     return mhc_post_flat(*tensors, config)
 
@@ -549,7 +549,7 @@ def mhc_post_bwd(grad_out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor
     """mhc_post_fwd's gradients given grad_out = dL/d out (num_tokens, mhc, hidden) bf16: (grad_x,
     grad_residual) bf16, (grad_post_layer_mix, grad_comb_res_mix) float32, shaped as their inputs."""
     tensors = (grad_out, x, residual, post_layer_mix, comb_res_mix)
-    if _eager(*tensors):
+    if is_eager(*tensors):
         return torch_ops.mhc_post_bwd_impl(*tensors, encode_config(config))
     return torch.ops.tkjit.mhc_post_bwd.default(*tensors, encode_config(config))
 
@@ -577,7 +577,7 @@ def per_token_cast_e5m6(x: torch.Tensor, *, round_scale: bool = False, col_major
         raise ShapeError("per_token_cast_e5m6: packed_ue8m0 needs col_major_scales=True (the packed layout is "
                          "column-major)")
     cfg = encode_config(config)
-    eager = _eager(x)
+    eager = is_eager(x)
     if not col_major_scales:
         op = torch_ops.per_token_cast_e5m6_impl if eager else torch.ops.tkjit.per_token_cast_e5m6.default
         words, sf = op(x, round_scale, cfg)
@@ -631,7 +631,7 @@ def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     (hc_mult, hidden_size) float32 -> (out bf16 like hidden_states, dot, gate_score, rstd_x, rstd_k
     (num_tokens, hc_mult) float32). Not differentiable by itself (see tkjit.autograd)."""
     tensors = (hidden_states, k, v, weight_fused)
-    if _eager(*tensors):
+    if is_eager(*tensors):
         return torch_ops.engram_gate_fwd_impl(*tensors, eps, clamp_value, encode_config(config))
     return torch.ops.tkjit.engram_gate_fwd.default(*tensors, float(eps), float(clamp_value), encode_config(config))
 
@@ -647,7 +647,7 @@ def per_channel_cast_fused(x: torch.Tensor, num_per_tokens: int = 128, *, x_sf: 
     scales (ceil(num_tokens_out / num_per_tokens), hidden)); TileKernels' `per_channel_cast_fused`. The last
     block of rows may be partial."""
     args = (x, x_sf, pos_to_token, num_per_tokens, round_scale, encode_config(config))
-    if _eager(*[t for t in (x, x_sf, pos_to_token) if t is not None]):
+    if is_eager(*[t for t in (x, x_sf, pos_to_token) if t is not None]):
         return torch_ops.per_channel_cast_fused_impl(*args)
     return torch.ops.tkjit.per_channel_cast_fused.default(*args)
 
@@ -700,7 +700,7 @@ def mhc_head_compute_mix(input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_b
 
     m = check_head_compute_mix("mhc_head_compute_mix", input_mix, mhc_scale, mhc_base)
     scale, base = mhc_scale.contiguous(), mhc_base.contiguous()
-    if not _eager(input_mix, scale, base):  # (the Function flattens the leading dims itself: one autograd node)
+    if not is_eager(input_mix, scale, base):  # (the Function flattens the leading dims itself: one autograd node)
         return differentiable(input_mix, scale, base, mhc_pre_eps, config, bwd_config)
     flat = input_mix.reshape(-1, m).contiguous()
     out = torch_ops.mhc_head_compute_mix_impl(flat, scale, base, float(mhc_pre_eps), encode_config(config))
@@ -719,7 +719,7 @@ def mhc_head_compute_mix_bwd(output_mix_grad: torch.Tensor, input_mix: torch.Ten
                           f"{tuple(output_mix_grad.shape)}")
     tensors = (output_mix_grad.reshape(-1, m).contiguous(), input_mix.reshape(-1, m).contiguous(),
                mhc_scale.contiguous(), mhc_base.contiguous())
-    if _eager(*tensors):
+    if is_eager(*tensors):
         g, gs, gb = torch_ops.mhc_head_compute_mix_bwd_impl(*tensors, encode_config(config))
     else:
         g, gs, gb = torch.ops.tkjit.mhc_head_compute_mix_bwd.default(*tensors, encode_config(config))
@@ -738,7 +738,7 @@ def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_
     w = check_pre_split_mixes("mhc_pre_split_mixes", input_mixes, mhc_scale, mhc_base, mhc_mult)
     scale, base = mhc_scale.contiguous(), mhc_base.contiguous()
     args = (mhc_mult, float(mhc_post_mult_value), float(mhc_pre_eps))
-    if not _eager(input_mixes, scale, base):  # (the Function flattens the leading dims itself: one autograd node)
+    if not is_eager(input_mixes, scale, base):  # (the Function flattens the leading dims itself: one autograd node)
         return differentiable(input_mixes, scale, base, *args, config, bwd_config)
     flat = input_mixes.reshape(-1, w).contiguous()
     pre, post, comb = torch_ops.mhc_pre_split_mixes_impl(flat, scale, base, *args, encode_config(config))
@@ -764,7 +764,7 @@ def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_gra
             raise TensorError(f"{fn}: {name} must have shape {shape}, got {tuple(g.shape)}")
         grads.append(g.reshape(-1, shape[-2] * shape[-1]).contiguous())
     tensors = (*grads, input_mixes.reshape(-1, w).contiguous(), mhc_scale.contiguous(), mhc_base.contiguous())
-    if _eager(*tensors):
+    if is_eager(*tensors):
         g, gs, gb = torch_ops.mhc_pre_split_mixes_bwd_impl(*tensors, float(mhc_post_mult_value), encode_config(config))
     else:
         g, gs, gb = torch.ops.tkjit.mhc_pre_split_mixes_bwd.default(*tensors, float(mhc_post_mult_value),
@@ -800,7 +800,7 @@ def swiglu_forward_and_per_token_cast(
     args = (x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count, group, round_scale, col_major_scales,
             clamp, amin, encode_config(config))
     tensors = [t for t in args[:5] if t is not None]
-    if _eager(*tensors):
+    if is_eager(*tensors):
         q, sf = torch_ops.swiglu_forward_and_per_token_cast_impl(*args)
     else:
         q, sf = torch.ops.tkjit.swiglu_forward_and_per_token_cast.default(*args)
@@ -827,7 +827,7 @@ def swiglu_backward_and_per_token_cast(x: torch.Tensor, x_sf: torch.Tensor, grad
     clamp = None if swiglu_clamp_value is None else float(swiglu_clamp_value)
     args = (x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, round_scale, clamp,
             encode_config(config))
-    if _eager(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos):
+    if is_eager(x, x_sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos):
         return torch_ops.swiglu_backward_and_per_token_cast_impl(*args)
     return torch.ops.tkjit.swiglu_backward_and_per_token_cast.default(*args)
 
@@ -837,7 +837,7 @@ def swiglu_backward_and_per_token_cast(x: torch.Tensor, x_sf: torch.Tensor, grad
 def _swiglu_channel(name, x, num_per_tokens, round_scale, swiglu_clamp_value, config):
     clamp = None if swiglu_clamp_value is None else float(swiglu_clamp_value)
     args = (x, num_per_tokens, round_scale, clamp, encode_config(config))
-    if _eager(x):
+    if is_eager(x):
         return getattr(torch_ops, f"{name}_impl")(*args)
     return getattr(torch.ops.tkjit, name).default(*args)
 
@@ -874,7 +874,7 @@ def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torc
     float32: weight_fused's gradient summed per persistent block; `grad_w_reduce` finishes it)."""
     tensors = (grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k)
     args = (float(clamp_value), int(num_partials), encode_config(config))
-    if _eager(*tensors):
+    if is_eager(*tensors):
         return torch_ops.engram_gate_bwd_impl(*tensors, *args)
     return torch.ops.tkjit.engram_gate_bwd.default(*tensors, *args)
 
@@ -885,7 +885,7 @@ def grad_w_reduce(grad_w_partial: torch.Tensor, weight_hidden: torch.Tensor, wei
     summed over its rows, then in place grad_weight_hidden += g * weight_embed and grad_weight_embed += g *
     weight_hidden ((hc_mult, hidden_size): bf16 weights, float32 gradients, contiguous)."""
     tensors = (grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
-    if _eager(*tensors):
+    if is_eager(*tensors):
         torch_ops.grad_w_reduce_impl(*tensors, encode_config(config))
     else:
         torch.ops.tkjit.grad_w_reduce.default(*tensors, encode_config(config))
@@ -938,7 +938,7 @@ def mhc_pre_norm_fn(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weigh
     m3, k = check_pre_norm_fn("mhc_pre_norm_fn", residual, mhc_fn, mhc_norm_weight)
     fn = mhc_fn if mhc_norm_weight is None else fn_normw_merge(mhc_fn, mhc_norm_weight)
     fn = fn.contiguous()
-    if not _eager(residual, fn):  # (the Function flattens the leading dims itself: one autograd node)
+    if not is_eager(residual, fn):  # (the Function flattens the leading dims itself: one autograd node)
         return differentiable(residual, fn, mhc_norm_eps, fuse_grad_acc, config, bwd_config)
     x = residual.reshape(-1, k).contiguous()
     out = torch_ops.mhc_pre_norm_fn_impl(x, fn, float(mhc_norm_eps), encode_config(config))[0]
@@ -959,7 +959,7 @@ def per_token_cast_e2m1(
         raise ShapeError("per_token_cast_e2m1: packed_ue8m0 needs col_major_scales=True (the packed layout is "
                          "column-major)")
     cfg = encode_config(config)
-    eager = _eager(x)
+    eager = is_eager(x)
     if not col_major_scales:
         op = torch_ops.per_token_cast_e2m1_impl if eager else torch.ops.tkjit.per_token_cast_e2m1.default
         return op(x, group, round_scale, cfg)
@@ -1030,14 +1030,14 @@ def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix: torch.Tens
         _mhc_out(fn, li, (num_layers, *lead, h), initial_residual.device, "out[0] (layer_input)")
         _mhc_out(fn, res, (num_post, *lead, m, h), initial_residual.device, "out[1] (residual)")
         flat_out = (li.view(num_layers, n, h), res.view(num_post, n, m, h))
-        if _eager(*tensors, *flat_out):
+        if is_eager(*tensors, *flat_out):
             torch_ops.mhc_multilayer_recompute_impl(*tensors, cfg, out=flat_out)
         else:
             got = torch.ops.tkjit.mhc_multilayer_recompute.default(*tensors, cfg)
             for o, g in zip(flat_out, got):
                 o.copy_(g)
         return li, res
-    if _eager(*tensors):
+    if is_eager(*tensors):
         li, res = torch_ops.mhc_multilayer_recompute_impl(*tensors, cfg)
     else:
         li, res = torch.ops.tkjit.mhc_multilayer_recompute.default(*tensors, cfg)
@@ -1120,7 +1120,7 @@ def per_block_cast_lossless(
     torch_ops._need(x, (2,), fn)
     sf = _row_major_scales(fn, sf, -(-int(x.shape[1]) * 2 // bki) if isinstance(bki, int) and bki > 0 else 1)
     args = (x, sf, bmi, bki, bmo, bko, encode_config(config))
-    eager = _eager(x, sf)
+    eager = is_eager(x, sf)
     if not col_major_scales:
         return (torch_ops.per_block_cast_lossless_impl if eager else _ops.per_block_cast_lossless.default)(*args)
     op = torch_ops.per_block_cast_lossless_colmajor_impl if eager else _ops.per_block_cast_lossless_colmajor.default

@@ -34,6 +34,7 @@ import ast
 import functools
 import inspect
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -923,13 +924,12 @@ def _top2_tensors(logits, bias, mask, to_physical_map, logical_count, fix_routin
     return out
 
 
-def top2_sum_gate_impl(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
-                       routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
-                       fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None,
-                       config=None):
-    """DeepSeek-V3 grouped routing: float32 logits (num_tokens, num_experts) and bias -> (topk_idx int64,
-    topk_weights float32), both (num_tokens, num_topk + shared experts); TileKernels' `top2_sum_gate`.
-    unmapped_topk_idx, when given, is updated in place (the logical indices; read for fix_routing_mask's tokens)."""
+def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
+                         num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
+                         scoring_func, mask=None, fix_routing_mask=None, to_physical_map=None, logical_count=None,
+                         unmapped_topk_idx=None, config=None) -> tuple[Any, list, tuple]:
+    """(kernel object, its tensors, its scalars) for a top2_sum_gate call, after its checks; the kernel returns
+    unmapped_topk_idx (when it takes it), topk_idx, topk_weights."""
     shape, (ep, per_gpu, tp, tps) = top2_sum_gate_setup(
         logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts, ep_rank,
         num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, to_physical_map, logical_count, fix_routing_mask,
@@ -938,8 +938,22 @@ def top2_sum_gate_impl(logits, bias, num_topk, num_topk_groups, num_groups, use_
         check_indices("top2_sum_gate", "logical_count", logical_count, shape["num_duplicates"] + 1, lo=1)
     kern = get("top2_sum_gate", {"num_tokens": max(1, logits.shape[0]), **shape}, arch=arch_of(logits),
                config=_config(config))
-    got = kern(*_top2_tensors(logits, bias, mask, to_physical_map, logical_count, fix_routing_mask,
-                              unmapped_topk_idx), float(routed_scaling_factor), ep, per_gpu, tp, tps)
+    tensors = _top2_tensors(logits, bias, mask, to_physical_map, logical_count, fix_routing_mask, unmapped_topk_idx)
+    return kern, tensors, (float(routed_scaling_factor), ep, per_gpu, tp, tps)
+
+
+def top2_sum_gate_impl(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
+                       routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
+                       fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None,
+                       config=None):
+    """DeepSeek-V3 grouped routing: float32 logits (num_tokens, num_experts) and bias -> (topk_idx int64,
+    topk_weights float32), both (num_tokens, num_topk + shared experts); TileKernels' `top2_sum_gate`.
+    unmapped_topk_idx, when given, is updated in place (the logical indices; read for fix_routing_mask's tokens)."""
+    kern, tensors, scalars = top2_sum_gate_launch(
+        logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
+        routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, fix_routing_mask,
+        to_physical_map, logical_count, unmapped_topk_idx, config)
+    got = kern(*tensors, *scalars)
     return got[-2], got[-1]  # (after unmapped_topk_idx, which the kernel returns first when it takes it)
 
 

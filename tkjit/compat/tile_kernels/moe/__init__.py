@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from tkjit import ops
+from tkjit import ops, torch_ops
+from tkjit.api import call_memo
 from tkjit.compat.tile_kernels._support import as_int, missing, off_alignment, require_kernel, rows_aligned, tensor
 from tkjit.compat.tile_kernels.quant.types import QuantTensor
 from tkjit.errors import ShapeError, TensorError
 from tkjit.torch_ops import tp_scalars
 
 FAMILY = "moe"
+_MAX_CALLS = 64  # checked call signatures remembered per op (a serving loop sees a handful)
+_top2_calls = call_memo()  # top2_sum_gate without optional tensors: signature -> (kernel object, its scalars)
 __all__ = [
     "get_fused_mapping", "reduce_fused", "expand_to_fused", "expand_to_fused_with_sf", "inplace_unique_group_indices",
     "aux_fi", "group_count", "mask_indices_by_tp", "normalize_weight", "top2_sum_gate", "topk_gate",
@@ -388,6 +391,21 @@ def top2_sum_gate(
     clamped into range and the index kept; nothing is read or written out of bounds.
     A logical_count entry outside [1, num_extra_experts + 1] gives -1 (TileKernels reads out of bounds).
     """
+    key = None
+    if (mask is None and fix_routing_mask is None and to_physical_map is None and logical_count is None
+            and unmapped_topk_idx is None and ops.is_eager(logits, bias)):
+        # A signature checked before goes straight to its kernel: the checks below hold for every call with it
+        # (the tensors' shapes, strides, dtypes and devices, the other arguments' values and types).
+        args = (num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
+                routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func)
+        try:
+            key = (logits.shape, logits.stride(), logits.dtype, logits.device, bias.shape, bias.stride(), bias.dtype,
+                   bias.device, args, tuple(map(type, args)))
+            hit = _top2_calls.get(key)
+        except TypeError:  # an unhashable argument: the checks below name it
+            key = hit = None
+        if hit is not None:
+            return hit[0](logits, bias, *hit[1])
     fn = "moe.top2_sum_gate"
     tensor(fn, "logits", logits, (2,), (torch.float32,))
     tensor(fn, "bias", bias, (1,), (torch.float32,))
@@ -486,6 +504,15 @@ def top2_sum_gate(
                     "num_duplicates": "num_extra_experts + 1 (to_physical_map.shape[1])", "num_tokens": "num_tokens",
                     "has_fix": "fix_routing_mask", "has_unmapped": "unmapped_topk_idx"},
                    {"num_tokens": num_tokens})
+    if key is not None:
+        kern, tensors, scalars = torch_ops.top2_sum_gate_launch(
+            logits, bias, k, kg, g, use_shared_as_routed, s, float(routed_scaling_factor), ints["ep_rank"],
+            ints["num_ep_ranks"], ints["tp_rank"], ints["num_tp_ranks"], scoring)
+        got = kern(*tensors, *scalars)  # (topk_idx, topk_weights): no unmapped_topk_idx on this path
+        if len(_top2_calls) >= _MAX_CALLS:
+            _top2_calls.clear()
+        _top2_calls[key] = (kern, scalars)
+        return got
     return ops.top2_sum_gate(logits, bias, k, kg, g, use_shared_as_routed, s, float(routed_scaling_factor),
                              ints["ep_rank"], ints["num_ep_ranks"], ints["tp_rank"], ints["num_tp_ranks"], scoring,
                              mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
