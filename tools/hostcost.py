@@ -8,7 +8,8 @@ per call over `--calls` calls (kernels queue asynchronously; one sync at the end
 torch.topk's on the same host. Rows: the `tkjit.ops` function (eager fast path), the same op through
 the dispatcher (`torch.ops.tkjit`), a kernel object from `tkjit.get`, TileKernels where installed
 (skipped where not), and sinkhorn forward + backward under autograd at 4096 tokens beside torch's own
-floor for one autograd.Function's forward and backward (an identity, no kernel). On a GPU, three
+floor for one autograd.Function's forward and backward (an identity, no kernel); on a GPU, that step at 1 to
+1M tokens beside TileKernels' `sinkhorn_normalize`. On a GPU, three
 rows bound the others: the kernel object into given outputs (no allocation), one `torch.empty`, and
 an empty kernel launched through the driver API with ctypes (the floor of a launch from Python).
 
@@ -125,7 +126,39 @@ def rows_for(dev: str) -> dict[str, Callable[[], object]]:
         _Identity.apply(xs).backward(g)
 
     rows["autograd floor: identity Function fwd+bwd 4096"] = floor_step
+    if dev == "cuda":
+        rows.update(sinkhorn_steps(dev))
     return rows
+
+
+STEP_TOKENS = (1, 64, 4096, 65536, 1 << 20)  # the token counts of the Sinkhorn step rows
+
+
+def sinkhorn_steps(dev: str) -> dict[str, Callable[[], object]]:
+    """Sinkhorn forward + backward under autograd, a step's wall time at each of STEP_TOKENS, tkjit's
+    `ops.sinkhorn` beside TileKernels' `sinkhorn_normalize` where installed (the issue's bar: faster at every
+    count; at the small ones the step is host cost, at 1M the kernels)."""
+    try:
+        from tile_kernels.modeling.mhc.ops import sinkhorn_normalize as theirs
+    except Exception as e:  # a baseline, never a dependency
+        print(f"TileKernels not available (its sinkhorn rows skipped): {type(e).__name__}: {e}")
+        theirs = None
+    rows: dict[str, Callable[[], object]] = {}
+    for n in STEP_TOKENS:
+        x = torch.randn(n, 4, 4, device=dev, requires_grad=True)
+        g = torch.randn(n, 4, 4, device=dev)
+        for who, fn in (("tkjit.ops.sinkhorn", tkjit.ops.sinkhorn), ("tile_kernels sinkhorn_normalize", theirs)):
+            if fn is not None:
+                rows[f"{who} fwd+bwd step {n} tokens"] = (lambda f=fn, x=x, g=g: f(x).backward(g))
+    return rows
+
+
+def calls_for(name: str, calls: int) -> int:
+    """Fewer calls for the rows whose kernels take long (the 4096-token and larger autograd steps)."""
+    if "step" in name:
+        n = int(name.split("step ")[1].split()[0])
+        return max(3, calls // (10 if n <= 4096 else 100 if n <= 65536 else 1000))
+    return calls if "4096" not in name else max(1, calls // 10)
 
 
 class _Identity(torch.autograd.Function):
@@ -146,8 +179,7 @@ def main() -> None:
     a = ap.parse_args()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     rows = rows_for(a.device)
-    out = {name: per_call_us(fn, a.calls if "4096" not in name else max(1, a.calls // 10), sync)
-           for name, fn in rows.items()}
+    out = {name: per_call_us(fn, calls_for(name, a.calls), sync) for name, fn in rows.items()}
     ref = out["torch.topk"]
     print(f"CUDA launcher: {envs.launcher()} (TKJIT_LAUNCHER)")
     print(f"{'call':48s} {'us/call':>8s} {'x torch.topk':>13s}")
