@@ -2582,9 +2582,12 @@ def _big_fuse_backward(ctx, *grads):
 mhc_pre_big_fuse.register_autograd(_big_fuse_backward, setup_context=_big_fuse_setup_context)
 
 
-def _override(op, key: str, fn, with_keyset: bool = True) -> None:
+LEAN_OPS: set[str] = set()  # the ops whose autograd kernel is the lean one (_lean_dispatch; tools/hostcost.py)
+
+
+def _override(op, key: str, fn, with_keyset: bool = True) -> bool:
     """Register fn as op's kernel for dispatch key `key` in place of custom_op's; where this torch refuses the
-    override, its own kernel stays."""
+    override, its own kernel stays (False)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -2592,7 +2595,8 @@ def _override(op, key: str, fn, with_keyset: bool = True) -> None:
         try:
             op._lib.impl(op._name, fn, key, with_keyset=with_keyset)
         except RuntimeError:
-            pass
+            return False
+    return True
 
 
 def _version_bump(op) -> None:
@@ -2657,12 +2661,14 @@ def _lean_dispatch(op) -> None:
         with below_autograd():
             return redispatch(keyset & below, *args, **kwargs)
 
-    _override(op, "Autograd", autograd)
+    if _override(op, "Autograd", autograd):
+        LEAN_OPS.add(op._name)
     if list(fns) == [None] and impl is not None and not overload._schema.is_mutable:
         _override(op, "CompositeExplicitAutograd", impl, with_keyset=False)
 
 
-for _op in [v for v in list(globals().values()) if isinstance(v, torch._library.custom_ops.CustomOpDef)]:
+OPS = [v for v in list(globals().values()) if isinstance(v, torch._library.custom_ops.CustomOpDef)]  # every op
+for _op in OPS:
     _version_bump(_op)
     _lean_dispatch(_op)
 del _op

@@ -29,7 +29,7 @@ import torch
 
 import tkjit
 import tkjit.ops
-from tkjit import envs
+from tkjit import envs, torch_ops
 
 OPS_US, OPS_X_TOPK, KERNEL_US = 5.0, 0.3, 3.0  # the targets
 
@@ -181,7 +181,8 @@ def main() -> None:
     rows = rows_for(a.device)
     out = {name: per_call_us(fn, calls_for(name, a.calls), sync) for name, fn in rows.items()}
     ref = out["torch.topk"]
-    print(f"CUDA launcher: {envs.launcher()} (TKJIT_LAUNCHER)")
+    print(f"CUDA launcher: {envs.launcher()} (TKJIT_LAUNCHER); torch {torch.__version__}, lean dispatch for "
+          f"{len(torch_ops.LEAN_OPS)} of {len(torch_ops.OPS)} torch.ops.tkjit ops")
     print(f"{'call':48s} {'us/call':>8s} {'x torch.topk':>13s}")
     for name, us in out.items():
         print(f"{name:48s} {us:8.2f} {us / ref:13.2f}")
