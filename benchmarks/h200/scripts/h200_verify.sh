@@ -53,9 +53,12 @@ export PYTHONPATH="/tmp/tkjit-src:$PYTHONPATH"
 export TKJIT_CACHE_DIR=/tmp/tkc TKJIT_JOBS=16 TKJIT_INSTAFAIL=1  # failure messages survive a kill
 # Kernels cross-compiled on the CPU host (scripts/prebuild.py, sweep.py --compile-only, then `tkjit bundle export
 # --from-cache -o .gpu/prebuilt.tgz`): installed once per machine, so a run's minutes go to the GPU, not to nvcc.
-if [ -f .gpu/prebuilt.tgz ] && [ ! -f /tmp/tkc.prebuilt ]; then
-  python -c 'import sys; from tkjit.cli import main; sys.exit(main(["bundle", "import", ".gpu/prebuilt.tgz"]))' \
-    | tail -n 1 && touch /tmp/tkc.prebuilt
+if [ ! -f /tmp/tkc.prebuilt ]; then
+  for b in .gpu/prebuilt*.tgz; do  # (e.g. prebuilt.tgz, prebuilt_cudart.tgz: one bundle per launcher or purpose)
+    [ -f "$b" ] && python -c 'import sys; from tkjit.cli import main; sys.exit(main(["bundle", "import", sys.argv[1]]))' \
+      "$b" | tail -n 1
+  done
+  touch /tmp/tkc.prebuilt
 fi
 mkdir -p "$OUT"
 PYTEST="python -m pytest -p no:cacheprovider -rfE -v --tb=short --durations=8"
