@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tkjit
-from tkjit import loader
+from tkjit import envs, loader
 from tkjit.errors import LaunchError, ShapeError, TensorError
 from tkjit.spec import ScalarArg, TensorArg
 
@@ -283,7 +283,7 @@ def test_empty_batches_of_the_c_target_kernels(name, shape, empty):
 def test_sm90a_cross_compile_records_the_scalars(name, shape, scalars):
     k = tkjit.get(name, shape, arch="sm_90a")
     abi = _meta(k)["abi"]
-    assert abi["loader"] == "tvm_ffi" and abi["scalars"] == scalars
+    assert abi["loader"] == envs.launcher() and abi["scalars"] == scalars  # (TKJIT_LAUNCHER: the CUDA launcher)
     spec = k.spec
     loader.check_abi(_meta(k), "sm_90a", spec.abi_tensors(k.shape), [p.name for p in spec.runtime_params],
                      spec.abi_scalars())

@@ -18,7 +18,7 @@ from common import ROOT, SINK  # noqa: E402
 from common import subprocess_env as _env  # noqa: E402
 
 import tkjit  # noqa: E402
-from tkjit import api  # noqa: E402
+from tkjit import api, envs  # noqa: E402
 from tkjit.errors import ConfigError, ShapeError, TkjitError, UnknownKernelError  # noqa: E402
 from tkjit.registry import get_spec  # noqa: E402
 
@@ -64,7 +64,7 @@ def test_cross_compile_sm90a_on_a_cpu_host(cache_dir):
     src = (k.path / "kernel.cu").read_text()
     assert "sinkhorn_thread_kernel" in src
     meta = json.loads((k.path / "manifest.json").read_text())["meta"]
-    assert meta["arch"] == "sm_90a" and meta["abi"]["loader"] == "tvm_ffi"
+    assert meta["arch"] == "sm_90a" and meta["abi"]["loader"] == envs.launcher()
     with pytest.raises(tkjit.TensorError, match="needs cuda tensors"):
         k(torch.randn(4, 4, 4))
 

@@ -32,3 +32,11 @@ def toy_spec(**over) -> KernelSpec:
     )
     base.update(over)
     return KernelSpec(**base)
+
+
+def launches_cooperatively(entry: Path) -> bool:
+    """Whether a cached CUDA entry's launcher runs its kernel as a cooperative grid (grid-wide barriers):
+    tvm_ffi's host module carries TileLang's tag for it, the cudart launcher calls cudaLaunchCooperativeKernel."""
+    if (entry / "launcher.cu").exists():
+        return "cudaLaunchCooperativeKernel(" in (entry / "launcher.cu").read_text()
+    return b"tirx.use_cooperative_launch" in (entry / "kernel.so").read_bytes()
