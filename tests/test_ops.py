@@ -48,3 +48,30 @@ def test_every_op_takes_the_lean_dispatch_on_this_torch():
 
     assert len(torch_ops.OPS) >= 50
     assert torch_ops.LEAN_OPS == {op._name for op in torch_ops.OPS}
+
+
+def test_repeat_calls_reuse_the_served_kernel_and_new_signatures_are_checked(cache_dir, monkeypatch):
+    # torch_ops._kernel_for: one get() per call signature (shape, dtype, device, scalars and their types,
+    # config); an equal value of another type (10.0, True for repeat=10) is checked again and refused.
+    from tkjit import torch_ops
+
+    gets = []
+    real_get = torch_ops.get
+    monkeypatch.setattr(torch_ops, "get", lambda *a, **kw: (gets.append(a[0]), real_get(*a, **kw))[1])
+    for seed in range(3):
+        x = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(tkjit.ops.sinkhorn_fwd(x), tkjit.get_spec("sinkhorn_fwd").reference(
+            {"num_tokens": 5, "n": 4, "repeat": 10, "eps": 1e-6}, x))
+    assert gets == ["sinkhorn_fwd"]
+    for bad in (10.0, True):
+        with pytest.raises(tkjit.ShapeError, match="'repeat' must be an int"):
+            tkjit.ops.sinkhorn_fwd(x, bad)
+    tkjit.ops.sinkhorn_fwd(torch.randn(7, 4, 4))  # another size: its own lookup
+    t = torch.randn(3, 5)
+    assert torch.equal(tkjit.ops.transpose(t), t.t()) and torch.equal(tkjit.ops.transpose(t[None]), t.t()[None])
+    with pytest.raises(tkjit.TensorError, match="expected a 2-D or 3-D tensor"):
+        tkjit.ops.transpose(torch.randn(5))
+    assert gets == ["sinkhorn_fwd", "sinkhorn_fwd", "sinkhorn_fwd", "sinkhorn_fwd", "transpose", "batched_transpose"]
+    tkjit.reset()
+    tkjit.ops.sinkhorn_fwd(x)
+    assert gets[-1] == "sinkhorn_fwd" and len(gets) == 7
