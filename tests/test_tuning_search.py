@@ -183,6 +183,39 @@ def test_two_workers_share_a_study(spec, tmp_path):
     assert config_id(r.config) == min(allowed, key=lambda c: ev._time(json.loads(c)))
 
 
+def test_a_worker_whose_configs_another_holds_waits_for_them(spec, tmp_path):
+    """Regression: two workers starting together pick the same first configs; the later one's batch is all
+    dups, and without a heartbeat (a journal) it stopped at once: no trial of its own finished, so it raised
+    "no config passed the correctness gate". Here the first worker holds every config RUNNING when the second
+    starts: the second waits for them and serves the study's best."""
+    import threading
+    import time
+
+    storage = f"journal:{tmp_path}/shared.log"
+    first_ev = TableEvaluator(table_for(spec), delay_s=0.05)
+    results: dict[str, object] = {}
+
+    def run(name, ev, batch):
+        try:
+            results[name] = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage,
+                                 batch=batch)
+        except Exception as e:  # noqa: BLE001  (the assertion below names it)
+            results[name] = e
+
+    first = threading.Thread(target=run, args=("first", first_ev, 100))  # one batch: the whole space
+    first.start()
+    deadline = time.time() + 30
+    while not first_ev.benched and time.time() < deadline:  # its trials are RUNNING once it measures
+        time.sleep(0.01)
+    second_ev = TableEvaluator(table_for(spec))
+    run("second", second_ev, 2)
+    first.join()
+    assert not isinstance(results["second"], Exception), results["second"]
+    assert not isinstance(results["first"], Exception), results["first"]
+    assert not second_ev.benched  # it measured nothing twice
+    assert results["second"].config == results["first"].config
+
+
 def test_a_worker_reading_a_trial_mid_ask_leaves_it_running(spec, tmp_path, monkeypatch):
     """Regression: a second tuner of the same process that loads the study while the first is between
     ask() and setting its trial's owner took that trial for one left by a killed run and failed it; the

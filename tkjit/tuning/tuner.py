@@ -200,6 +200,7 @@ def default_storage() -> Any:
 
 MAX_MISSES = 64  # asks in a row that yield no new config before a batch gives up (exhaustive mode)
 HEARTBEAT_S = 10  # RDB storages: a worker's heartbeat interval; its trials are failed after 3x this silent
+STALL_S = 600  # storages without a heartbeat: how long a worker waits on others' trials that make no progress
 RDB_SCHEMES = ("sqlite", "postgresql", "mysql")
 
 
@@ -724,6 +725,7 @@ class _Study:
         if self.progress:
             self.progress(self._counted(), self.budget, self._best_us())
         last = 0.0
+        stalled: tuple[int, float] | None = None  # (trials counted, since when) while waiting on others
         while self._counted() < self.budget:
             # Stop before a batch that would likely run past the budget (the first always runs).
             if self.time_budget is not None and self.new and time.perf_counter() - t0 + last > self.time_budget:
@@ -731,16 +733,33 @@ class _Study:
                 break
             batch = self._next_batch()
             if not batch:
-                if self.heartbeat is not None and self.inflight:
-                    # Other workers measure the rest: wait for them, so this worker's result covers the
-                    # whole study. A dead one's trials are failed and re-asked within the heartbeat's grace.
-                    time.sleep(min(1.0, self.heartbeat.interval / 2))
+                if self.inflight and self._wait_for_others(stalled):
+                    # Other workers measure the rest (or took this batch's configs a moment before it: two
+                    # workers starting together pick the same first configs): wait for them, so this worker's
+                    # result covers the whole study. With a heartbeat a dead worker's trials are failed and
+                    # re-asked within its grace; without one, a dead worker of this host is found by its pid.
+                    if stalled is None or stalled[0] != self._counted():
+                        stalled = (self._counted(), time.perf_counter())
+                    time.sleep(min(1.0, self.heartbeat.interval / 2) if self.heartbeat is not None else 0.2)
                     continue
                 break
+            stalled = None
             tb = time.perf_counter()
             self._measure(batch)
             last = time.perf_counter() - tb
         return self._finish(time.perf_counter() - t0)
+
+    def _wait_for_others(self, stalled: tuple[int, float] | None) -> bool:
+        """Whether to keep waiting on other workers' RUNNING trials. With a heartbeat, always (a dead worker's
+        trials fail within its grace); without one (a journal: another host's dead worker is not seen), until
+        STALL_S pass with no trial finished, then the study ends with what it has."""
+        if self.heartbeat is not None or stalled is None or stalled[0] != self._counted():
+            return True
+        if time.perf_counter() - stalled[1] < STALL_S:
+            return True
+        log.warning("%s: %d trials of other workers made no progress in %d s; finishing without them",
+                    self.name, len(self.inflight), STALL_S)
+        return False
 
     def _finish(self, elapsed: float) -> TuneResult:
         self._load()
