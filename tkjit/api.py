@@ -16,13 +16,14 @@ from tkjit.arch import resolve_arch
 from tkjit.build import cache, ensure_entry, reset_cache
 from tkjit.errors import ShapeError, brief
 from tkjit.kernel import CompiledKernel
+from tkjit.memo import Memo
 from tkjit.registry import get_spec
 from tkjit.tuning_db import choose_config
 
 _memo: dict[tuple, CompiledKernel] = {}  # exact get() arguments (canonical order) -> kernel
 _fast: dict[tuple, CompiledKernel] = {}  # get(name, dict, arch=...) as called -> kernel (the hot path)
 _by_key: dict[str, Callable[..., Any]] = {}  # cache key -> loaded launcher (one dlopen per binary)
-_calls: list[dict] = []  # ops' memos of checked call signatures (call_memo); reset() clears them too
+_calls: list[Memo] = []  # ops' memos of checked call signatures (call_memo); reset() clears them too
 _lock = threading.Lock()
 _chosen: set[tuple] = set()  # (kernel, shape bucket, arch) whose config choice was logged
 log = logging.getLogger("tkjit.api")
@@ -39,11 +40,11 @@ def reset() -> None:
         reset_cache()
 
 
-def call_memo() -> dict:
-    """A dict for an op's checked call signatures (signature -> what a call with it resolved to: its kernel
+def call_memo(bound: int) -> Memo:
+    """A memo for an op's checked call signatures (signature -> what a call with it resolved to: its kernel
     object, its scalars), so a repeat call skips the argument checks and the config choice; cleared by
     reset(), since what it holds came from the cache and the config in force then."""
-    m: dict = {}
+    m = Memo(bound)
     _calls.append(m)
     return m
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tkjit.errors import LaunchError, ShapeError, TensorError
+from tkjit.memo import Memo
 from tkjit.spec import Align, CeilDiv, KernelSpec, ScalarArg, resolve_dim
 
 _INT32_MAX = 2**31 - 1  # runtime sizes and strides are int32 kernel args
@@ -144,8 +145,8 @@ class CompiledKernel:
         self.key = key
         self.config_source = config_source
         self.path = path
-        self._plans: dict[Any, Callable[[tuple], Any]] = {}
-        self._out_plans: dict[Any, Callable[[tuple, Sequence], Any]] = {}  # calls with out=
+        self._plans: Memo = Memo(_MAX_PLANS)  # signature -> Callable[[tuple], Any]
+        self._out_plans: Memo = Memo(_MAX_PLANS)  # calls with out=: -> Callable[[tuple, Sequence], Any]
         self._launch_fn = _launch
         self._checked_devices = set() if _checked_devices is None else _checked_devices
         self.__post_init__()
@@ -430,9 +431,7 @@ class CompiledKernel:
                         raise LaunchError(f"{name}: launch failed: {type(e).__name__}: {e}") from e
                 return got[0] if len(got) == 1 else tuple(got)
 
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[sig] = plan
+        self._plans.remember(sig, plan)
 
     def _plan_out(self, inputs: tuple, outs: list, launched: bool) -> None:
         """As _plan, for a checked call into out= tensors: the signature is the inputs' and the outputs'
@@ -483,9 +482,7 @@ class CompiledKernel:
             got = [tensors[i] for i in inouts] + list(outs)
             return got[0] if len(got) == 1 else tuple(got)
 
-        if len(self._out_plans) >= _MAX_PLANS:
-            self._out_plans.clear()
-        self._out_plans[sig] = plan
+        self._out_plans.remember(sig, plan)
 
     def _split_args(self, args: tuple, kw: dict) -> tuple[list, list, dict[str, int]]:
         """(inputs, scalar values in spec order, caller-given sizes) from a call's arguments."""

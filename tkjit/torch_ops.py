@@ -65,8 +65,7 @@ def _config(text: str | None) -> dict | None:
         raise ConfigError(f"config {text!r} is not the text of a dict (e.g. \"{{'threads': 128}}\")") from None
 
 
-_served = call_memo()  # (op, x's shape, dtype and device, the scalars and their types, config) -> kernel object
-_MAX_SERVED = 256
+_served = call_memo(256)  # (op, x's shape, dtype and device, the scalars and their types, config) -> kernel object
 
 
 def _kernel_for(name: str, x, scalars: tuple, config: str | None, shape_of: Callable[[], dict]):
@@ -82,9 +81,7 @@ def _kernel_for(name: str, x, scalars: tuple, config: str | None, shape_of: Call
         return hit
     kern = get(name, shape_of(), arch=arch_of(x), config=_config(config))
     if key is not None:
-        if len(_served) >= _MAX_SERVED:
-            _served.clear()
-        _served[key] = kern
+        _served.remember(key, kern)
     return kern
 
 

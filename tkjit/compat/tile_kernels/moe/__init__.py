@@ -17,8 +17,7 @@ from tkjit.errors import ShapeError, TensorError
 from tkjit.torch_ops import tp_scalars
 
 FAMILY = "moe"
-_MAX_CALLS = 64  # checked call signatures remembered per op (a serving loop sees a handful)
-_top2_calls = call_memo()  # top2_sum_gate without optional tensors: signature -> (kernel object, its scalars)
+_top2_calls = call_memo(64)  # top2_sum_gate without optional tensors: signature -> (kernel object, its scalars)
 __all__ = [
     "get_fused_mapping", "reduce_fused", "expand_to_fused", "expand_to_fused_with_sf", "inplace_unique_group_indices",
     "aux_fi", "group_count", "mask_indices_by_tp", "normalize_weight", "top2_sum_gate", "topk_gate",
@@ -509,9 +508,7 @@ def top2_sum_gate(
             logits, bias, k, kg, g, use_shared_as_routed, s, float(routed_scaling_factor), ints["ep_rank"],
             ints["num_ep_ranks"], ints["tp_rank"], ints["num_tp_ranks"], scoring)
         got = kern(*tensors, *scalars)  # (topk_idx, topk_weights): no unmapped_topk_idx on this path
-        if len(_top2_calls) >= _MAX_CALLS:
-            _top2_calls.clear()
-        _top2_calls[key] = (kern, scalars)
+        _top2_calls.remember(key, (kern, scalars))
         return got
     return ops.top2_sum_gate(logits, bias, k, kg, g, use_shared_as_routed, s, float(routed_scaling_factor),
                              ints["ep_rank"], ints["num_ep_ranks"], ints["tp_rank"], ints["num_tp_ranks"], scoring,
