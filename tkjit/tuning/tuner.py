@@ -492,14 +492,27 @@ class _Study:
                 optuna.delete_study(study_name=self.name, storage=storage)
             except KeyError:
                 pass
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            sampler = optuna.samplers.TPESampler(
-                seed=self.seed, multivariate=True, constant_liar=True,
-                n_startup_trials=max(8, min(16, self.budget // 4)),
-            )
-        self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=sampler,
+        # Every trial of the stored study is asked with its config fixed (the default, the warm start, the
+        # exhaustive queue, or what the proposer below picked), so its sampler never samples.
+        self.study = optuna.create_study(study_name=self.name, storage=storage,
+                                         sampler=optuna.samplers.RandomSampler(seed=self.seed),
                                          direction="minimize", load_if_exists=True)
+        # TPE proposes in an in-memory study that mirrors the stored one's results (_load): in a space of
+        # a few hundred configs most proposals repeat a measured config or one the constraints refuse, and
+        # each of those cost a trial in the shared storage (a row, its params and attributes: ~30 ms through
+        # SQLite, the TPE sample reading every trial back) that nothing ever measured. Only a new, allowed
+        # proposal becomes a stored trial.
+        self.proposer = None
+        self._mirrored: set[int] = set()  # stored trial numbers the proposer holds
+        self._proposed: dict[str, Any] = {}  # config id -> the proposer's trial, until its result is stored
+        if self.mode == "tpe":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                sampler = optuna.samplers.TPESampler(
+                    seed=self.seed, multivariate=True, constant_liar=True,
+                    n_startup_trials=max(8, min(16, self.budget // 4)),
+                )
+            self.proposer = optuna.create_study(sampler=sampler, direction="minimize")
         if self.study.user_attrs.get("identity") != self.identity:
             # What the short name stands for, for optuna-dashboard and `tkjit db export`.
             self.study.set_user_attr("identity", self.identity)
@@ -554,13 +567,33 @@ class _Study:
                     except UpdateFinishedTrialError:
                         pass  # its worker finished it after our read (a thread of this process whose
                         # tune just returned): not stale; the next _load records its result
+            if self.proposer is not None and t.number not in self._mirrored and (
+                    t.state == TrialState.COMPLETE or (t.state == TrialState.FAIL
+                                                       and t.user_attrs.get("kind") in EVAL_FAILS)):
+                self._mirror(t, cid)
+
+    def _mirror(self, t: Any, cid: str) -> None:
+        """A stored result into the proposer: its own proposal of that config is told it; a config another
+        worker (or an earlier run, or a fixed pick) measured comes in as a finished trial."""
+        import optuna
+        from optuna.trial import TrialState
+
+        self._mirrored.add(t.number)
+        value = t.value if t.state == TrialState.COMPLETE else None
+        mine = self._proposed.pop(cid, None)
+        if mine is not None:
+            self.proposer.tell(mine, value, state=t.state)
+        elif t.params:
+            self.proposer.add_trial(optuna.trial.create_trial(
+                params=t.params, distributions=t.distributions, value=value, state=t.state))
 
     def _counted(self) -> int:
         return sum(1 for cid in self.records if cid in self.space.allowed_ids)
 
-    def _ask(self, fixed: dict | None):
-        if fixed is not None:
-            self.study.enqueue_trial(self.space.to_params(fixed), user_attrs={"config": config_id(fixed)})
+    def _ask(self, fixed: dict):
+        """A stored trial for this config. `ask` pops the oldest WAITING trial, which need not be the one just
+        enqueued (see _next_batch): the config returned is the trial's."""
+        self.study.enqueue_trial(self.space.to_params(fixed), user_attrs={"config": config_id(fixed)})
         with warnings.catch_warnings():
             # Optuna warns that heartbeats are meant for Study.optimize: _Heartbeat beats for ask/tell.
             warnings.simplefilter("ignore", UserWarning)
@@ -624,7 +657,24 @@ class _Study:
                 fixed = left[0] if self.mode == "exhaustive" else self.rng.choice(left)
                 if self.mode != "exhaustive":
                     misses = 0
-            if fixed is not None and config_id(fixed) in taken:
+            else:
+                # TPE: the proposer picks; a config it repeats or the constraints refuse is told there and
+                # never becomes a stored trial.
+                proposal = self.proposer.ask()
+                cfg = self.space.suggest(proposal)
+                cid = config_id(cfg)
+                if cid not in self.space.allowed_ids:
+                    self.proposer.tell(proposal, state=TrialState.PRUNED)  # never compiled, not counted
+                    self.pruned += 1
+                    misses += 1
+                    continue
+                if cid in busy or cid in self.records or cid in taken or cid in self._proposed:
+                    self.proposer.tell(proposal, state=TrialState.FAIL)  # known: neutral for the sampler
+                    misses += 1
+                    continue
+                self._proposed[cid] = proposal  # RUNNING there until its result is stored: the liar
+                fixed = cfg
+            if config_id(fixed) in taken:
                 continue
             trial, cfg = self._ask(fixed)
             cid = config_id(cfg)
@@ -733,13 +783,12 @@ class _Study:
                 break
             batch = self._next_batch()
             if not batch:
-                if self.inflight and self._wait_for_others(stalled):
-                    # Other workers measure the rest (or took this batch's configs a moment before it: two
-                    # workers starting together pick the same first configs): wait for them, so this worker's
-                    # result covers the whole study. With a heartbeat a dead worker's trials are failed and
-                    # re-asked within its grace; without one, a dead worker of this host is found by its pid.
-                    if stalled is None or stalled[0] != self._counted():
-                        stalled = (self._counted(), time.perf_counter())
+                # Other workers measure the rest (or took this batch's configs a moment before it: two workers
+                # starting together pick the same first configs): wait for them, so this worker's result covers
+                # the whole study. With a heartbeat a dead worker's trials are failed and re-asked within its
+                # grace; without one, a dead worker of this host is found by its pid.
+                stalled = self._wait_for_others(stalled) if self.inflight else None
+                if stalled is not None:
                     time.sleep(min(1.0, self.heartbeat.interval / 2) if self.heartbeat is not None else 0.2)
                     continue
                 break
@@ -749,17 +798,19 @@ class _Study:
             last = time.perf_counter() - tb
         return self._finish(time.perf_counter() - t0)
 
-    def _wait_for_others(self, stalled: tuple[int, float] | None) -> bool:
-        """Whether to keep waiting on other workers' RUNNING trials. With a heartbeat, always (a dead worker's
-        trials fail within its grace); without one (a journal: another host's dead worker is not seen), until
-        STALL_S pass with no trial finished, then the study ends with what it has."""
-        if self.heartbeat is not None or stalled is None or stalled[0] != self._counted():
-            return True
-        if time.perf_counter() - stalled[1] < STALL_S:
-            return True
+    def _wait_for_others(self, stalled: tuple[int, float] | None) -> tuple[int, float] | None:
+        """Whether to keep waiting on other workers' RUNNING trials: the (trials counted, since when) to wait
+        on, or None to stop. With a heartbeat, always (a dead worker's trials fail within its grace); without
+        one (a journal: another host's dead worker is not seen), until STALL_S pass with no trial finished,
+        then the study ends with what it has."""
+        counted = self._counted()
+        if stalled is None or stalled[0] != counted:  # the first wait, or progress: the clock starts again
+            return counted, time.perf_counter()
+        if self.heartbeat is not None or time.perf_counter() - stalled[1] < STALL_S:
+            return stalled
         log.warning("%s: %d trials of other workers made no progress in %d s; finishing without them",
                     self.name, len(self.inflight), STALL_S)
-        return False
+        return None
 
     def _finish(self, elapsed: float) -> TuneResult:
         self._load()
