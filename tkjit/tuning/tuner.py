@@ -626,12 +626,14 @@ class _Study:
         from optuna.trial import TrialState
 
         size = self.batch * 2 if self.mode == "exhaustive" else self.batch  # no feedback needed: bigger
-        want = min(size, self.budget - self._counted())
         out: list[tuple[Any, dict]] = []
         taken: set[str] = set()
         self.inflight.clear()
         self._load()  # a shared study: pick up what other workers measured meanwhile
         busy = self.records.keys() | self.inflight
+        # What other workers are measuring counts against the budget too: without it, workers sharing a study
+        # each filled their batches up to the budget and together measured past it.
+        want = min(size, self.budget - self._counted() - len(self.inflight & self.space.allowed_ids))
         untried = [c for c in self.space.allowed if config_id(c) not in busy]
         did = config_id(self.space.default)
         queue: list[dict] = []
