@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tkjit.tuning import LocalEvaluator, config_id, tune
+from tkjit.tuning import LocalEvaluator, config_id, open_storage, tune
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -87,6 +87,15 @@ def test_planted_wrong_crashing_and_hanging_configs_never_win(tmp_path, monkeypa
     kinds = {cid: why.split(":")[0] for cid, why in r.failed.items()}
     assert kinds == {config_id(c["wrong"]): "wrong", config_id(c["segv"]): "crash", config_id(c["hang"]): "timeout"}
     assert r.trials == 5
+    # Each measured trial records where the worker's time went (load, fresh-input check, gate, timing).
+    import optuna
+
+    done = [t for t in optuna.load_study(study_name=r.study, storage=open_storage(f"journal:{tmp_path}/j.log"))
+            .get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 2
+    for t in done:
+        assert set(t.user_attrs["phases"]) == {"load_s", "check_s", "gate_s", "time_s"}
+        assert all(v >= 0 for v in t.user_attrs["phases"].values())
     tkjit.reset()
 
 

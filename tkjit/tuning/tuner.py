@@ -746,6 +746,8 @@ class _Study:
                 if r.get("ok"):
                     self.records[cid] = {"ok": True, "us": float(r["us"])}
                     trial.set_user_attr("spread", float(r.get("spread", 0.0)))
+                    if r.get("phases"):  # seconds the worker spent loading, checking, gating, timing it
+                        trial.set_user_attr("phases", r["phases"])
                     if r.get("early_stop"):
                         trial.set_user_attr("early_stop", True)
                     self._tell(trial, float(r["us"]))

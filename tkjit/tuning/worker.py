@@ -125,19 +125,26 @@ class _Child:
 
             torch.cuda.synchronize()
 
-    def _prepare(self, name: str, full: dict, config: dict, arch: str, seed: int | None):
-        """Load and gate a candidate; returns (run closure, None) or (None, failure reply)."""
+    def _prepare(self, name: str, full: dict, config: dict, arch: str, seed: int | None,
+                 phases: dict[str, float] | None = None):
+        """Load and gate a candidate; returns (run closure, None) or (None, failure reply). phases: seconds
+        each step took (load, check, gate) are added to it, so a study shows where its time went."""
         from tkjit.testing import check, run_against_reference
 
+        phases = {} if phases is None else phases
+        t = time.perf_counter()
         spec = self.tkjit.get_spec(name)
         k = self._kernel(name, full, config, arch)
+        phases["load_s"], t = time.perf_counter() - t, time.perf_counter()
         if seed is not None:
             msg = check(k, self._check_shape(spec, full), device=self.device, seed=seed)
+            phases["check_s"], t = time.perf_counter() - t, time.perf_counter()
             if msg:
                 return None, {"ok": False, "kind": "wrong", "error": f"fresh inputs (seed {seed}): {msg}"}
         inputs, refs = self._study_data(spec, full)
         # The outputs stay: the timed runs write into them again.
         outs, problem = run_against_reference(k, full, inputs, refs=refs, device=self.device)
+        phases["gate_s"] = time.perf_counter() - t
         if problem:
             return None, {"ok": False, "kind": "wrong", "error": f"timing inputs: {problem}"}
 
@@ -147,18 +154,21 @@ class _Child:
         return run, None
 
     def bench(self, job: dict) -> dict:
-        run, fail = self._prepare(job["kernel"], job["shape"], job["config"], job["arch"], job.get("seed"))
+        phases: dict[str, float] = {}
+        run, fail = self._prepare(job["kernel"], job["shape"], job["config"], job["arch"], job.get("seed"), phases)
         if fail:
             return fail
+        t = time.perf_counter()
         ctx = {"kernel": job["kernel"], "config": job["config"], "shape": job["shape"], "device": self.device}
         if job.get("stop_above_us") is not None:
             ctx["stop_above_us"] = float(job["stop_above_us"])
         xs = self.timer.measure(run, budget_s=float(job.get("budget_s", self.setup.budget_s)), context=ctx)
         if not xs:
             return {"ok": False, "kind": "error", "error": "timer returned no samples"}
+        phases["time_s"] = time.perf_counter() - t
         early = len(xs) == timing.EARLY_RUNS and timing.stops_early(xs, ctx)
         return {"ok": True, "us": timing.median(xs), "spread": timing.rel_spread(xs), "n": len(xs),
-                "early_stop": early}
+                "early_stop": early, "phases": {k: round(v, 4) for k, v in phases.items()}}
 
     def retime(self, job: dict) -> dict:
         """Interleaved rounds over the finalists: drift hits every candidate alike."""

@@ -278,7 +278,7 @@ tune)
   tail -n 25 "$OUT/pretune.txt"; tail -n 60 "$OUT/bench.txt"; cat "$OUT/hostcost.txt" "$OUT/chain.txt"
   ;;
 fleet)
-  # a fresh cache: the first study compiles all 28 configs (the whole-study figure of a cold start)
+  # a fresh cache: the first study compiles every config it measures (the whole-study figure of a cold start)
   db=sqlite:////tmp/fleet.db; rm -rf /tmp/fleet.db /tmp/tkc-fleet; export TKJIT_CACHE_DIR=/tmp/tkc-fleet
   T="python -m tkjit.cli tune sinkhorn_fwd --shape num_tokens=1048576 n=4 --storage $db --no-user-db --quiet"
   { s=$EPOCHREALTIME; timeout 120 $T --study-prefix cold -j 16 > "$OUT/fleet_cold.txt" 2>&1; echo "cold rc=$?"
@@ -297,6 +297,10 @@ for s in optuna.get_all_study_summaries(st):
     states = collections.Counter(t.state.name for t in trials)
     configs = collections.Counter(tuple(sorted(t.params.items())) for t in trials if t.state.name == "COMPLETE")
     print(s.study_name, dict(states), "distinct configs", len(configs), "measured twice", sum(v > 1 for v in configs.values()))
+    # where a measured config's time went in the worker (median s: load, fresh-input check, gate, timing)
+    ph = [t.user_attrs["phases"] for t in trials if t.state.name == "COMPLETE" and "phases" in t.user_attrs]
+    if ph:
+        print("  worker phases, median s:", {k: round(sorted(p.get(k, 0) for p in ph)[len(ph) // 2], 4) for k in ph[0]})
 PY
   } > "$OUT/fleet.txt" 2>&1
   cat "$OUT/fleet.txt"
