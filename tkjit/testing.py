@@ -56,9 +56,9 @@ def run_against_reference(
     """Run `kernel` on `inputs` into poisoned outputs and compare each output with the reference.
 
     full: static + runtime shape. refs: the reference outputs when already computed (the tuner
-    computes them once per study), else computed here after the run. device: where the outputs go
-    when there are no inputs to follow. Returns (the outputs, kept for re-runs; None when every
-    output is within the spec's tolerance, else the first mismatch).
+    computes them once per study and keeps them on the device), else computed here after the run.
+    device: where the outputs go when there are no inputs to follow. Returns (the outputs, kept for
+    re-runs; None when every output is within the spec's tolerance, else the first mismatch).
     """
     spec = kernel.spec
     runtime = {p.name: full[p.name] for p in spec.runtime_params}
@@ -85,7 +85,9 @@ def run_against_reference(
     results = [(present[i].name, inputs[i]) for i in inouts] if len(refs) > len(decls) else []
     results += [(name, o) for (name, _, _), o in zip(decls, outs)]
     for (name, o), r in zip(results, refs):
-        problem = spec.tolerance.check(name, o.cpu(), r)
+        # Compared where the reference is: the CPU, or the device for references a caller moved there (the
+        # tuner's study data: a 1M-token output is tens of MB to copy back and compare on the host per config).
+        problem = spec.tolerance.check(name, o if isinstance(r, torch.Tensor) and r.device == o.device else o.cpu(), r)
         if problem:
             return outs, problem
     return outs, None

@@ -62,3 +62,23 @@ def test_sinkhorn_28_configs_is_fast(arch, tmp_path):
     assert r.trials == 28 and r.mode == "exhaustive"
     print(f"28 configs in {elapsed:.1f}s; default {r.default_us:.1f}us tuned {r.tuned_us:.1f}us")
     assert elapsed < 60
+
+
+def test_the_gate_compares_on_the_gpu_against_study_references_kept_there(arch):
+    """The worker keeps a study's reference outputs on the device, and the gate compares there: a right
+    output passes, one wrong element fails."""
+    import tkjit
+    from tkjit.registry import get_spec
+    from tkjit.testing import run_against_reference
+    from tkjit.tuning.worker import WorkerSetup, _Child
+
+    spec = get_spec("sinkhorn_fwd")
+    full = spec.canonical_shape({"num_tokens": 4096, "n": 4, "repeat": 10, "eps": 1e-6})
+    inputs, refs = _Child(WorkerSetup(arch=arch))._study_data(spec, full)
+    assert all(r.is_cuda for r in refs)
+    k = tkjit.get("sinkhorn_fwd", full, arch=arch)
+    assert run_against_reference(k, full, inputs, refs=refs)[1] is None
+    wrong = refs[0].clone()
+    wrong.view(-1)[7] += 1.0
+    problem = run_against_reference(k, full, inputs, refs=(wrong, *refs[1:]))[1]
+    assert problem is not None and "error" in problem

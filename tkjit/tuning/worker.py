@@ -87,7 +87,10 @@ class _Child:
         if self._study is None or self._study[0] != sid:
             self._study = None  # free the previous study's tensors first
             inputs = spec.make_inputs(full, device=self.device, seed=STUDY_SEED)
-            self._study = (sid, (inputs, reference_outputs(spec, full, inputs)))
+            # Computed once (on the CPU, as every reference), kept on the device: each candidate's gate then
+            # compares there (tkjit.testing.run_against_reference) instead of copying its outputs back.
+            refs = tuple(r.to(self.device) if hasattr(r, "to") else r for r in reference_outputs(spec, full, inputs))
+            self._study = (sid, (inputs, refs))
         return self._study[1]
 
     def _check_shape(self, spec, full: dict) -> dict:
