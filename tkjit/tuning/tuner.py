@@ -544,9 +544,11 @@ class _Study:
                 continue
             if t.state == TrialState.COMPLETE:
                 self.records[cid] = {"ok": True, "us": t.value}
+                self._mirror(t, cid)
             elif t.state == TrialState.FAIL and t.user_attrs.get("kind") in EVAL_FAILS:
                 self.records.setdefault(cid, {"ok": False, "kind": t.user_attrs["kind"],
                                               "error": t.user_attrs.get("error", "")})
+                self._mirror(t, cid)
             elif t.state == TrialState.RUNNING and self.heartbeat is not None:
                 if t.user_attrs.get("owner") != self.owner:
                     self.inflight.add(cid)
@@ -567,17 +569,15 @@ class _Study:
                     except UpdateFinishedTrialError:
                         pass  # its worker finished it after our read (a thread of this process whose
                         # tune just returned): not stale; the next _load records its result
-            if self.proposer is not None and t.number not in self._mirrored and (
-                    t.state == TrialState.COMPLETE or (t.state == TrialState.FAIL
-                                                       and t.user_attrs.get("kind") in EVAL_FAILS)):
-                self._mirror(t, cid)
 
     def _mirror(self, t: Any, cid: str) -> None:
-        """A stored result into the proposer: its own proposal of that config is told it; a config another
-        worker (or an earlier run, or a fixed pick) measured comes in as a finished trial."""
+        """A stored result (once) into the proposer, if there is one: its own proposal of that config is told it;
+        a config another worker (or an earlier run, or a fixed pick) measured comes in as a finished trial."""
         import optuna
         from optuna.trial import TrialState
 
+        if self.proposer is None or t.number in self._mirrored:
+            return
         self._mirrored.add(t.number)
         value = t.value if t.state == TrialState.COMPLETE else None
         mine = self._proposed.pop(cid, None)
