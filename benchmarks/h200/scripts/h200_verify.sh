@@ -23,7 +23,7 @@
 #   bench     # the benchmark table of $KERNELS (tools/bench.py --isolate: a process per kernel; COMPILE=1
 #             # adds torch.compile)
 #   profile   # where launch-bound calls spend their time ($KERNELS, default the routing counters),
-#             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py)
+#             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py; PROFILE_ARGS=--ops adds tkjit.ops)
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
@@ -260,7 +260,8 @@ bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile; ISOLATE
   ;;
 profile)
   timeout "${PROFILE_TIMEOUT:-70}" python benchmarks/h200/scripts/profile_calls.py \
-    --kernels ${KERNELS:-get_fused_mapping aux_fi group_count} --json "$OUT/profile.json" > "$OUT/profile.txt" 2>&1
+    --kernels ${KERNELS:-get_fused_mapping aux_fi group_count} $PROFILE_ARGS --json "$OUT/profile.json" \
+    > "$OUT/profile.txt" 2>&1
   echo "rc=$?" >> "$OUT/profile.txt"; grep -E "^==|event|api/call|kernels us|rc=" "$OUT/profile.txt"
   ;;
 tune)
