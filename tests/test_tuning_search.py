@@ -250,31 +250,73 @@ def test_workers_sharing_a_study_stop_at_its_budget(spec, tmp_path):
     assert results["second"].config == results["first"].config
 
 
-def test_a_worker_reading_a_trial_mid_ask_leaves_it_running(spec, tmp_path, monkeypatch):
-    """Regression: a second tuner of the same process that loads the study while the first is between
-    ask() and setting its trial's owner took that trial for one left by a killed run and failed it; the
-    first then raised UpdateFinishedTrialError.
-    The second now waits for the first's trial (a config another worker holds), here forever: the first is
-    blocked in the second's call. STALL_S bounds that wait on a journal; at its 600 s this test took 10 minutes."""
-    import tkjit.tuning.tuner as tuner
+def test_a_trial_is_stored_with_its_owner_from_the_start(spec, tmp_path, monkeypatch):
+    """Regression: a trial was asked first and given its owner after, and a second tuner of the same process
+    that loaded the study in between took it for one left by a killed run and failed it (the first then
+    raised UpdateFinishedTrialError). A trial is now created RUNNING with its config, owner, host and pid in
+    one write: no reader ever sees it without them."""
+    from optuna.storages import JournalStorage
 
-    monkeypatch.setattr(tuner, "STALL_S", 0.5)
     storage = f"journal:{tmp_path}/shared.log"
-    real = optuna.trial.Trial.set_user_attr
-    second: list = []
+    seen: list[dict] = []
+    real = JournalStorage.create_new_trial
 
-    def set_user_attr(self, key, value):
-        if key == "owner" and not second:
-            second.append(None)  # once: the second tuner's own asks go straight through
-            second[0] = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G",
-                             evaluator=TableEvaluator(table_for(spec)), storage=storage)
-        return real(self, key, value)
+    def create_new_trial(self, study_id, template_trial=None):
+        trial_id = real(self, study_id, template_trial)
+        seen.append(dict(self.get_trial(trial_id).user_attrs))  # what any other reader sees at this moment
+        return trial_id
 
-    monkeypatch.setattr(optuna.trial.Trial, "set_user_attr", set_user_attr)
-    ev = TableEvaluator(table_for(spec))
-    first = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage)
+    monkeypatch.setattr(JournalStorage, "create_new_trial", create_new_trial)
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=TableEvaluator(table_for(spec)),
+             storage=storage)
+    assert len(seen) == r.trials == len(spec.configs({"num_tokens": 4096}, "sm_90a"))
+    assert all({"config", "owner", "host", "pid"} <= a.keys() for a in seen), seen[0]
+
+
+def test_a_worker_never_takes_a_trial_another_worker_enqueued(spec, tmp_path):
+    """Regression: the tuner enqueued a config and called `ask`, which pops the oldest WAITING trial, another
+    worker's as well as its own; on SQLite that pop is not exclusive, so two workers held one trial and the one
+    that told it second raised UpdateFinishedTrialError (session 21's two-worker fleet run on one GPU). A
+    WAITING trial here (another worker's, between its enqueue and its ask) is left alone, and its config is
+    still measured once, under a trial of this worker's own."""
+    from tkjit.tuning.tuner import open_storage
+
+    storage = f"sqlite:///{tmp_path}/s.db"
     n = len(spec.configs({"num_tokens": 4096}, "sm_90a"))
-    assert first.trials == n and second[0].trials <= n
+    ev = TableEvaluator(table_for(spec))
+    tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage, trials=1)
+    store = open_storage(storage)
+    (name,) = optuna.get_all_study_names(store)
+    study = optuna.load_study(study_name=name, storage=store)
+    other = next(c for c in spec.configs({"num_tokens": 4096}, "sm_90a") if config_id(c) not in ev.benched)
+    study.enqueue_trial(dict(other), user_attrs={"config": config_id(other)})
+    ev2 = TableEvaluator(table_for(spec))
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev2, storage=storage)
+    assert r.trials == n and sorted(ev.benched + ev2.benched) == sorted(set(ev.benched + ev2.benched))
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [t.user_attrs["config"] for t in waiting] == [config_id(other)]  # still the other worker's
+
+
+def test_a_config_whose_worker_keeps_dying_is_given_up(spec, tmp_path):
+    """Optuna fails a dead worker's RUNNING trial (no heartbeat) and its config is measured again by the next
+    batch; after MAX_DEATHS such failures the config is recorded failed ("killed"), not retried forever."""
+    from tkjit.tuning.tuner import MAX_DEATHS, open_storage
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    ev = TableEvaluator(table_for(spec))
+    tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage, trials=1)
+    store = open_storage(storage)
+    (name,) = optuna.get_all_study_names(store)
+    study = optuna.load_study(study_name=name, storage=store)
+    victims = [c for c in spec.configs({"num_tokens": 4096}, "sm_90a") if config_id(c) not in ev.benched][:2]
+    for c, deaths in ((victims[0], MAX_DEATHS), (victims[1], MAX_DEATHS - 1)):
+        for _ in range(deaths):  # as fail_stale_trials leaves them: FAIL, no kind of the tuner's
+            study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL,
+                                                      user_attrs={"config": config_id(c)}))
+    ev2 = TableEvaluator(table_for(spec))
+    tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev2, storage=storage)
+    assert config_id(victims[0]) not in ev2.benched  # given up
+    assert config_id(victims[1]) in ev2.benched  # retried
 
 
 def test_trials_left_running_by_a_failed_run_are_retried(spec, tmp_path):
@@ -373,25 +415,3 @@ def test_perf_counter_timer_stops_after_a_few_runs_when_clearly_slower():
     full = timer.measure(run, budget_s=0.05, context={"stop_above_us": 1e6})
     assert len(early) == EARLY_RUNS and len(full) >= 10
     assert len(timer.measure(run, budget_s=0.05, context={})) >= 10
-
-
-def test_a_trial_left_waiting_by_another_worker_does_not_cost_a_config(spec, tmp_path):
-    """`ask` pops the oldest WAITING trial, not necessarily the one this worker just enqueued: one left by a
-    worker killed between its enqueue and its ask (or Optuna's retry of a dead worker's trial) comes out
-    instead, and ours stays WAITING. With one config left, the study must still finish, not stop one short."""
-    from tkjit.tuning.tuner import open_storage
-
-    storage = f"journal:{tmp_path}/j.log"
-    n = len(spec.configs({"num_tokens": 4096}, "sm_90a"))
-    ev = TableEvaluator(table_for(spec))
-    r1 = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev, storage=storage, trials=n - 1)
-    assert r1.trials == n - 1
-    store = open_storage(storage)
-    (name,) = optuna.get_all_study_names(store)
-    study = optuna.load_study(study_name=name, storage=store)
-    measured = next(t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE)
-    study.enqueue_trial(measured.params, user_attrs={"config": measured.user_attrs["config"]})  # the orphan
-    ev2 = TableEvaluator(table_for(spec))
-    r2 = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=ev2, storage=storage)
-    assert r2.trials == n and len(ev2.benched) == 1
-    assert not set(ev2.benched) & set(ev.benched)

@@ -104,6 +104,17 @@ class Space:
             raise ValueError(f"{v!r} not in {vals}")
         return i
 
+    def distributions(self) -> dict[str, Any]:
+        """The Optuna distribution of each param, as `suggest` asks for it."""
+        import optuna
+
+        out: dict[str, Any] = {}
+        for k in self.spec.space:
+            vals = self.dims[k]
+            out[self.param_name(k)] = (optuna.distributions.IntDistribution(0, len(vals) - 1) if self._indexed(k)
+                                       else optuna.distributions.CategoricalDistribution(vals))
+        return out
+
     def suggest(self, trial: Any) -> Config:
         cfg = {}
         for k in self.spec.space:  # the spec's order: configs compare equal as dicts anyway

@@ -23,6 +23,7 @@ import socket
 import time
 import uuid
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -198,8 +199,8 @@ def default_storage() -> Any:
     return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
 
 
-MAX_MISSES = 64  # asks in a row that yield no new config before a batch gives up (exhaustive mode)
 HEARTBEAT_S = 10  # RDB storages: a worker's heartbeat interval; its trials are failed after 3x this silent
+MAX_DEATHS = 3  # a config whose trial was left RUNNING by a dead worker this often is recorded failed, not retried
 STALL_S = 600  # storages without a heartbeat: how long a worker waits on others' trials that make no progress
 RDB_SCHEMES = ("sqlite", "postgresql", "mysql")
 
@@ -256,12 +257,10 @@ def open_storage(storage: Any = None, *, heartbeat_s: int | None = HEARTBEAT_S) 
             # The heartbeat and its retry callback have been "experimental" since Optuna 2.8/2.9.
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             if heartbeat_s:
-                kw = dict(heartbeat_interval=int(heartbeat_s), grace_period=3 * int(heartbeat_s),
-                          # Optuna re-enqueues a stale trial (same params) as WAITING: the next ask of any
-                          # worker measures it. Twice at most: a config that kills its tuner is not retried
-                          # forever.
-                          heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                              max_retry=2))
+                # No retry callback: its WAITING copy of a stale trial is for `ask` to pop, and the tuner
+                # never pops (see _Study._ask). A stale trial's config is untried again, so the next batch of
+                # any worker measures it; _load gives up on a config after MAX_DEATHS such failures.
+                kw = dict(heartbeat_interval=int(heartbeat_s), grace_period=3 * int(heartbeat_s))
             return _rdb_storage(url, kw)
     from tkjit.errors import UsageError
 
@@ -270,14 +269,18 @@ def open_storage(storage: Any = None, *, heartbeat_s: int | None = HEARTBEAT_S) 
 
 def _rdb_storage(url: str, kw: dict[str, Any]) -> Any:
     """RDBStorage, retried: workers started together on an empty database all create Optuna's tables,
-    and the losers of that race get a duplicate-key error from the server (the tables then exist)."""
+    and the losers of that race get a duplicate-key error from the server (the tables then exist), or
+    from SQLite "table ... already exists" / "database is locked"."""
     import optuna
     import sqlalchemy.exc
 
+    races = (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError)
+    if url.startswith("sqlite"):
+        races += (sqlalchemy.exc.OperationalError,)
     for attempt in range(5):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url), **kw)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+        except races:
             if attempt == 4:
                 raise
             time.sleep(0.2 + random.random() * 0.5)
@@ -533,15 +536,18 @@ class _Study:
         from optuna.trial import Trial, TrialState
 
         if self.heartbeat is not None:
-            # Optuna fails the RUNNING trials whose worker stopped beating (killed, host lost) and its
-            # retry callback enqueues them again; other RUNNING trials belong to live workers.
+            # Optuna fails the RUNNING trials whose worker stopped beating (killed, host lost); other
+            # RUNNING trials belong to live workers.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 optuna.storages.fail_stale_trials(self.study)
+        deaths: Counter[str] = Counter()  # config -> trials of it whose worker died (failed with no kind of ours)
         for t in self.study.get_trials(deepcopy=False):
             cid = t.user_attrs.get("config")
             if cid is None:
                 continue
+            if t.state == TrialState.FAIL and t.user_attrs.get("kind") in (None, "stale"):
+                deaths[cid] += 1
             if t.state == TrialState.COMPLETE:
                 self.records[cid] = {"ok": True, "us": t.value}
                 self._mirror(t, cid)
@@ -556,8 +562,7 @@ class _Study:
                 # No heartbeat (a journal): a dead process of this host is found by its pid.
                 pid = t.user_attrs.get("pid")
                 owner = t.user_attrs.get("owner")
-                # No owner yet: a tuner of this process is between ask() and its attributes.
-                mine_dead = pid == os.getpid() and owner is not None and owner not in _LIVE_OWNERS
+                mine_dead = pid == os.getpid() and owner not in _LIVE_OWNERS
                 if t.user_attrs.get("host") != self.host or not isinstance(pid, int) or (
                         _pid_alive(pid) and not mine_dead):
                     self.inflight.add(cid)  # another live worker on a shared study is measuring it
@@ -569,6 +574,9 @@ class _Study:
                     except UpdateFinishedTrialError:
                         pass  # its worker finished it after our read (a thread of this process whose
                         # tune just returned): not stale; the next _load records its result
+        for cid, n in deaths.items():
+            if n >= MAX_DEATHS and cid not in self.records:  # (a config that kills its worker is not retried forever)
+                self.records[cid] = {"ok": False, "kind": "killed", "error": f"its worker died {n} times measuring it"}
 
     def _mirror(self, t: Any, cid: str) -> None:
         """A stored result (once) into the proposer, if there is one: its own proposal of that config is told it;
@@ -591,23 +599,23 @@ class _Study:
         return sum(1 for cid in self.records if cid in self.space.allowed_ids)
 
     def _ask(self, fixed: dict):
-        """A stored trial for this config. `ask` pops the oldest WAITING trial, which need not be the one just
-        enqueued (see _next_batch): the config returned is the trial's."""
-        self.study.enqueue_trial(self.space.to_params(fixed), user_attrs={"config": config_id(fixed)})
-        with warnings.catch_warnings():
-            # Optuna warns that heartbeats are meant for Study.optimize: _Heartbeat beats for ask/tell.
-            warnings.simplefilter("ignore", UserWarning)
-            trial = self.study.ask()
+        """A stored trial for this config, created RUNNING with its params and owner in one write. Not
+        `enqueue_trial` + `ask`: `ask` pops the oldest WAITING trial, which may be another worker's just
+        enqueued one, and on SQLite that pop is not exclusive (the read of WAITING and the write of RUNNING
+        are two statements): two workers took one trial, and the one that told it second raised
+        UpdateFinishedTrialError (session 21's two-worker fleet run)."""
+        import optuna
+        from optuna.trial import TrialState
+
+        cid = config_id(fixed)
+        frozen = optuna.trial.create_trial(
+            state=TrialState.RUNNING, params=self.space.to_params(fixed), distributions=self.space.distributions(),
+            user_attrs={"config": cid, "owner": self.owner, "host": self.host, "pid": os.getpid()})
+        trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=frozen)
         if self.heartbeat is not None:
-            self.heartbeat.add(trial._trial_id)
-        cfg = self.space.suggest(trial)
-        # Owner before pid: another worker of this process reading the trial between the two must not
-        # take a trial with this pid and no live owner for one left by a killed run (see _load).
-        trial.set_user_attr("owner", self.owner)
-        trial.set_user_attr("host", self.host)
-        trial.set_user_attr("pid", os.getpid())
-        trial.set_user_attr("config", config_id(cfg))
-        return trial, cfg
+            self.heartbeat.add(trial_id)
+        trial = optuna.trial.Trial(self.study, trial_id)
+        return trial, self.space.suggest(trial)  # (the stored params: a check that they decode to `fixed`)
 
     def _tell_fail(self, trial, kind: str, error: str = "") -> None:
         from optuna.trial import TrialState
@@ -648,17 +656,15 @@ class _Study:
             fixed = None
             if queue:
                 fixed = queue.pop(0)
-            elif self.mode == "exhaustive" or misses >= 16:
-                # Exhaustive: the queue is spent, but `ask` pops the oldest WAITING trial, which need not be
-                # the one just enqueued (one left by a worker killed between its enqueue and its ask, or
-                # Optuna's retry of a dead worker's trial): that one came out as a dup and ours still waits,
-                # so ask again for what is left. TPE: the sampler keeps proposing known or invalid configs.
+            elif self.mode == "exhaustive":
+                break  # the queue held every untried config
+            elif misses >= 16:
+                # TPE: the sampler keeps proposing known or invalid configs: a random untried one instead.
                 left = [c for c in untried if config_id(c) not in taken]
-                if not left or misses >= MAX_MISSES:
+                if not left:
                     break
-                fixed = left[0] if self.mode == "exhaustive" else self.rng.choice(left)
-                if self.mode != "exhaustive":
-                    misses = 0
+                fixed = self.rng.choice(left)
+                misses = 0
             else:
                 # TPE: the proposer picks; a config it repeats or the constraints refuse is told there and
                 # never becomes a stored trial.
@@ -676,21 +682,14 @@ class _Study:
                     continue
                 self._proposed[cid] = proposal  # RUNNING there until its result is stored: the liar
                 fixed = cfg
-            if config_id(fixed) in taken:
+            cid = config_id(fixed)
+            if cid in taken:
+                continue
+            if cid not in self.space.allowed_ids:  # a warm-start config outside this study's space
+                log.info("%s: %s not tuned here: %s", self.spec.name, cid, self.space.why_not(fixed))
+                self.pruned += 1  # never compiled, not counted
                 continue
             trial, cfg = self._ask(fixed)
-            cid = config_id(cfg)
-            if cid not in self.space.allowed_ids:
-                trial.set_user_attr("kind", "invalid")
-                trial.set_user_attr("error", self.space.why_not(cfg))
-                self._tell(trial, state=TrialState.PRUNED)  # never compiled, not counted
-                self.pruned += 1
-                misses += 1
-                continue
-            if cid in busy or cid in self.records or cid in taken:
-                self._tell_fail(trial, "dup")  # measured already: neutral for the sampler, not counted
-                misses += 1
-                continue
             misses = 0
             taken.add(cid)
             out.append((trial, cfg))
