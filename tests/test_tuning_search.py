@@ -415,3 +415,13 @@ def test_perf_counter_timer_stops_after_a_few_runs_when_clearly_slower():
     full = timer.measure(run, budget_s=0.05, context={"stop_above_us": 1e6})
     assert len(early) == EARLY_RUNS and len(full) >= 10
     assert len(timer.measure(run, budget_s=0.05, context={})) >= 10
+
+
+@pytest.mark.parametrize("kind", ["journal:", "sqlite:///"])
+def test_a_storage_in_a_folder_not_made_yet_is_opened(spec, tmp_path, kind):
+    """Regression: `--storage sqlite:///DIR/a.db` with DIR missing was "internal error: OperationalError: unable
+    to open database file"; its folder is made, as a journal's is."""
+    storage = f"{kind}{tmp_path}/new/folder/s.{'log' if kind == 'journal:' else 'db'}"
+    r = tune(spec, {"num_tokens": 4096}, arch="sm_90a", gpu="G", evaluator=TableEvaluator(table_for(spec)),
+             storage=storage, trials=2)
+    assert r.trials == 2

@@ -252,6 +252,9 @@ def open_storage(storage: Any = None, *, heartbeat_s: int | None = HEARTBEAT_S) 
 
         url = _rdb_url(storage)
         _check_driver(url)
+        if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+            # as for a journal: the file's folder is made (SQLite makes only the file)
+            os.makedirs(os.path.dirname(os.path.abspath(url.removeprefix("sqlite:///"))), exist_ok=True)
         kw: dict[str, Any] = {}
         with warnings.catch_warnings():
             # The heartbeat and its retry callback have been "experimental" since Optuna 2.8/2.9.
