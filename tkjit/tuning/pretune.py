@@ -142,6 +142,7 @@ class PretuneReport:
     entries: list[dict[str, Any]]
     written: list[Path]
     elapsed_s: float
+    phases: dict[str, float] = field(default_factory=dict)  # where elapsed_s went (seconds; see run_studies)
 
     @property
     def status(self) -> int:
@@ -150,7 +151,8 @@ class PretuneReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"arch": self.arch, "gpu": self.gpu, "copy_gbps": self.copy_gbps, "results": self.rows,
-                "written": [str(p) for p in self.written], "elapsed_s": round(self.elapsed_s, 3)}
+                "written": [str(p) for p in self.written], "elapsed_s": round(self.elapsed_s, 3),
+                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
 
 
 def resolve_studies(studies: Sequence[Mapping[str, Any]]) -> list[tuple[dict, Any, dict]]:
@@ -203,6 +205,13 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
     # Opened once: an RDB storage is an engine and a connection pool, not a path.
     storage = open_storage(opts.storage, heartbeat_s=opts.heartbeat_s or HEARTBEAT_S)
     t_all = time.perf_counter()
+    phases: dict[str, float] = {}  # worker start (imports, CUDA), copy ceiling, search, re-time, cache warm, close
+    mark = [t_all]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - mark[0]
+        mark[0] = now
     rows: list[dict[str, Any]] = []
     entries: list[dict[str, Any]] = []
     written: dict[Path, None] = {}  # the DB files written, in order
@@ -211,7 +220,9 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
         ev.pool.warm()  # processes import TileLang while the bench worker starts
         info = ev.device_info()
         gpu = gpu_model(arch, info.get("gpu"))
+        lap("start")
         copy_gbps = ev.copy_bandwidth_gbps()
+        lap("copy")
         # The DB files each winner is merged into as its study ends.
         targets = ([user_db_path(arch, gpu)] if opts.user_db else []) + (
             [shipped_db_path(arch, gpu)] if opts.update_shipped else [])
@@ -238,10 +249,14 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
                 if bar is not None:
                     bar.close()
                 print(f"tune: {spec.name} {full}: {type(e).__name__}: {e}", file=log)
+                lap("search")
                 rows.append({"kernel": spec.name, "shape": full, "error": f"{type(e).__name__}: {e}"})
                 continue
             if bar is not None:
                 bar.close()
+            lap("search")
+            phases["search"] -= r.retime_s
+            phases["retime"] = phases.get("retime", 0.0) + r.retime_s
             row = r.to_json()
             if copy_gbps and r.tuned_us:
                 gbps = spec.bytes_moved(r.full_shape) / (r.tuned_us * 1e-6) / 1e9
@@ -256,13 +271,17 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
         for _, err in ev.pool.compile(warm):
             if err:
                 print(f"tune: warming the cache: {err}", file=log)
-    return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all)
+        lap("warm")
+    lap("close")
+    return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all, phases)
 
 
 def footer(report: PretuneReport) -> str:
     """The line after the table: studies tuned, time, the DB files written."""
-    return (f"tune: {len(report.entries)}/{len(report.rows)} studies tuned in {report.elapsed_s:.1f}s; "
-            f"copy ceiling {_fmt(report.copy_gbps, '.0f')} GB/s" + "".join(f"\n  wrote {p}" for p in report.written))
+    where = ", ".join(f"{k} {v:.1f}" for k, v in report.phases.items())
+    return (f"tune: {len(report.entries)}/{len(report.rows)} studies tuned in {report.elapsed_s:.1f}s"
+            + (f" ({where})" if where else "") + f"; copy ceiling {_fmt(report.copy_gbps, '.0f')} GB/s"
+            + "".join(f"\n  wrote {p}" for p in report.written))
 
 
 # ----------------------------------------------------------------------------------------------

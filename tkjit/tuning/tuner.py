@@ -149,7 +149,8 @@ class TuneResult:
     new_trials: int  # measured by this run
     failed: dict[str, str] = field(default_factory=dict)  # config id -> reason
     pruned_invalid: int = 0
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0  # the search (before the finalists are re-timed)
+    retime_s: float = 0.0  # re-timing the finalists
     study: str = ""
     mode: str = ""
     full_shape: dict[str, Any] = field(default_factory=dict)
@@ -834,6 +835,7 @@ class _Study:
             finalists.append(did)
         cfgs = [json.loads(c) for c in finalists]
         timed: dict[str, dict] = {}
+        t_retime = time.perf_counter()
         if len(cfgs) > 1:
             for cid, r in zip(finalists, self.ev.retime(self.spec, self.full, cfgs, self.arch)):
                 if r.get("ok"):
@@ -856,6 +858,7 @@ class _Study:
             **base, config=json.loads(chosen), tuned_us=tuned_us, default_us=default_us,
             speedup=(default_us / tuned_us) if default_us and tuned_us else None, spread=spread, won=won,
             best_config=json.loads(best), elapsed_s=round(elapsed, 3),
+            retime_s=round(time.perf_counter() - t_retime, 3),
         )
         # The re-timed winner lives with its trials: `tkjit db export` reads it from any storage.
         # Several workers finishing one study each write theirs; the last one stands.
