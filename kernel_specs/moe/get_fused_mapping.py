@@ -24,8 +24,9 @@ The grid is min(blocks, ceil(num_tokens * num_topk / threads)) blocks of `thread
 them must be co-resident (a cooperative launch that does not fit fails with a CUDA error, it never
 hangs). The flat entries are cut into one contiguous range per warp (a multiple of 32 long),
 global warp order = flat order:
-  1. each warp counts its range per expert into its own shared row (match_any: the lowest lane of
-     each equal-expert group adds the group's size, so no atomics), the block turns its rows into
+  1. each warp counts its range per expert into its own shared row (count="match": the lowest lane of
+     each equal-expert group adds the group's size, no atomics; "atomic": a shared atomic add per
+     entry, as TileKernels counts), the block turns its rows into
      per-warp exclusive prefixes and writes its per-expert total to the `block_counts` workspace;
   2. grid barrier;
   3. the thread of expert e sums the blocks' totals (all of them, and those before its block), aligns,
@@ -37,7 +38,8 @@ global warp order = flat order:
      exactly one thread, so nothing is filled first.
 `block_counts` (MAX_BLOCKS, num_experts) int32 is an in-place workspace input (its content on entry
 is ignored; rows below the grid size are overwritten): the op passes torch.empty.
-Tunables: threads (>= num_experts: one thread per expert in steps 3-5), blocks (the grid cap).
+Tunables: threads (>= num_experts: one thread per expert in steps 3-5), blocks (the grid cap), count
+(how step 1 counts).
 CUDA only (warp match/shuffle and the grid barrier).
 """
 
@@ -73,7 +75,7 @@ def default(shape):
     # One block per SM of an H100/H200 (132); 1024-thread blocks holding 128 KB of counts get half
     # that, so the cooperative launch also fits GPUs with fewer SMs (H100 PCIe: 114).
     blocks = 132 if threads <= 512 else 66
-    return {"threads": threads, "blocks": blocks}
+    return {"threads": threads, "blocks": blocks, "count": "match"}
 
 
 def constraint(shape, c):
@@ -120,7 +122,7 @@ def build(shape, c):
     from tilelang import language as T
 
     E, K, A = shape["num_experts"], shape["num_topk"], shape["alignment"]
-    threads, blocks = c["threads"], c["blocks"]
+    threads, blocks, count = c["threads"], c["blocks"], c["count"]
     W = threads // 32
     num_tokens = T.dynamic("num_tokens")
     nexp = T.dynamic("num_expanded_tokens")
@@ -184,14 +186,21 @@ def build(shape, c):
             for j in T.serial(lane, E, 32):
                 cnt[w, j] = 0
             T.sync_warp()
-            # 1. Count: the lowest lane of each equal-expert group adds the group's size (rows are per
-            # warp and groups are distinct experts, so plain adds do not race).
-            for it in T.serial(iters):
-                load_expert(topk_idx, start + it * 32 + lane, end, ex, v)
-                mask = T.match_any_sync(ex[0])
-                if (ex[0] >= 0) & ((mask & below) == T.uint32(0)):
-                    cnt[w, ex[0]] = cnt[w, ex[0]] + T.cast(T.popcount(mask), i32)
-                T.sync_warp()
+            # 1. Count. "match": the lowest lane of each equal-expert group adds the group's size (rows are
+            # per warp and groups are distinct experts, so plain adds do not race). "atomic": each lane adds 1
+            # with a shared-memory atomic (no warp vote; lanes of one expert serialise on its word).
+            if count == "match":
+                for it in T.serial(iters):
+                    load_expert(topk_idx, start + it * 32 + lane, end, ex, v)
+                    mask = T.match_any_sync(ex[0])
+                    if (ex[0] >= 0) & ((mask & below) == T.uint32(0)):
+                        cnt[w, ex[0]] = cnt[w, ex[0]] + T.cast(T.popcount(mask), i32)
+                    T.sync_warp()
+            else:
+                for it in T.serial(iters):
+                    load_expert(topk_idx, start + it * 32 + lane, end, ex, v)
+                    if ex[0] >= 0:
+                        T.atomic_add(cnt[w, ex[0]], 1)
             T.sync_threads()
             if tx < E:
                 run[0] = 0
@@ -367,7 +376,7 @@ SPEC = register(
             Static("num_experts", lo=1, hi=MAX_EXPERTS, default=256, doc="experts"),
             Static("alignment", lo=1, hi=MAX_ALIGNMENT, default=128, doc="each expert's segment length multiple"),
         ),
-        space={"threads": (128, 256, 512, 1024), "blocks": (8, 16, 33, 66, 132)},
+        space={"threads": (128, 256, 512, 1024), "blocks": (8, 16, 33, 66, 132), "count": ("match", "atomic")},
         default=default,
         constraint=constraint,
         arch_constraint=arch_constraint,
