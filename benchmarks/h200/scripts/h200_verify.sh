@@ -305,6 +305,7 @@ for s in optuna.get_all_study_summaries(st):
     if ph:
         print("  worker phases, median s:", {k: round(sorted(p.get(k, 0) for p in ph)[len(ph) // 2], 4) for k in ph[0]})
 PY
+    grep -H "studies tuned" "$OUT"/fleet_*.txt  # where each run's time went (worker start, copy, search, ...)
   } > "$OUT/fleet.txt" 2>&1
   cat "$OUT/fleet.txt"
   ;;
