@@ -211,3 +211,16 @@ def test_compat_argument_errors(args, err, match):
 def test_compat_too_many_indices_per_token_is_not_implemented():
     with pytest.raises(NotImplementedError, match="num_topk"):
         tk.moe.mask_indices_by_tp(torch.zeros(4, 65, dtype=torch.int64), 256, 8, 0, 2)
+
+
+@pytest.mark.parametrize("vec", [1, 2])
+def test_int64_indices_past_31_bits_take_the_long_path(vec):
+    """int64 indices that fit 31 bits divide in int32 (the fast path); -1 needs no division; larger ones (past
+    n, as TileKernels allows) take the int64 formula: every boundary gives the reference's value."""
+    big = [0, 5, 31, 32, (1 << 31) - 2, (1 << 31) - 1, 1 << 31, (1 << 31) + 33, (1 << 32) + 1, (1 << 62) + 7,
+           (1 << 63) - 1, -1, -(1 << 31), -(1 << 63)]
+    x = torch.tensor(big * 2, dtype=torch.int64).reshape(-1, 2)
+    kern = tkjit.get(NAME, {"num_tokens": x.shape[0], "num_topk": 2, "dtype": "int64"}, arch="cpu",
+                     config={"block_elems": 128 * vec, "threads": 128, "vec": vec})
+    for per_gpu, tp, tps in ((32, 1, 2), (9, 2, 3), (1, 0, 1), (7, 0, 4)):
+        assert torch.equal(kern(x, per_gpu, tp, tps), spec().reference({}, x, per_gpu, tp, tps)), (per_gpu, tp, tps)

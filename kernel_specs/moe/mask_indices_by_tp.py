@@ -29,6 +29,7 @@ from tkjit.registry import register
 from tkjit.spec import KernelSpec, Runtime, ScalarArg, Static, TensorArg, Tolerance
 
 DTYPES = ("int32", "int64")
+INT31_MAX = (1 << 31) - 1
 ITEMSIZE = {"int32": 4, "int64": 8}
 
 
@@ -61,6 +62,15 @@ def build(shape, c):
     block, threads, vec = c["block_elems"], c["threads"], c["vec"]
     num_tokens = T.dynamic("num_tokens")
 
+    def masked_index(xv, t, per_gpu, tp_rank, num_tp_ranks):
+        # Divisors clamped to >= 1: invalid scalars give -1 below, never a division by zero.
+        pg = T.cast(T.max(per_gpu, 1), t)
+        tps = T.cast(T.max(num_tp_ranks, 1), t)
+        g = T.truncdiv(xv, pg)  # x >= 0 where it matters: trunc == floor
+        q = T.truncdiv(g, tps)
+        keep = (xv >= 0) & (g - q * tps == T.cast(tp_rank, t)) & (per_gpu > 0) & (num_tp_ranks > 0)
+        return T.if_then_else(keep, q * pg + (xv - g * pg), T.cast(-1, t))
+
     @T.prim_func
     def mask_indices_by_tp(
         indices: T.Tensor[(num_tokens, k), dt],
@@ -80,13 +90,19 @@ def build(shape, c):
                     for v in T.vectorized(vec):
                         x[v] = indices[row, col + v]
                     for v in T.unroll(vec):
-                        # Divisors clamped to >= 1: invalid scalars give -1 below, never a division by zero.
-                        pg = T.cast(T.max(per_gpu, 1), dt)
-                        tps = T.cast(T.max(num_tp_ranks, 1), dt)
-                        g = T.truncdiv(x[v], pg)  # x >= 0 where it matters: trunc == floor
-                        q = T.truncdiv(g, tps)
-                        keep = (x[v] >= 0) & (g - q * tps == T.cast(tp_rank, dt)) & (per_gpu > 0) & (num_tp_ranks > 0)
-                        y[v] = T.if_then_else(keep, q * pg + (x[v] - g * pg), T.cast(-1, dt))
+                        if dt == "int64":
+                            # int64 division is a long software sequence on the GPU (the kernel's cost at 64K
+                            # tokens): an index that fits 31 bits, i.e. any real expert id, divides in int32;
+                            # -1 needs no division; only a huge index takes the int64 path (same formula).
+                            if x[v] < T.int64(0):
+                                y[v] = T.int64(-1)
+                            elif x[v] <= T.int64(INT31_MAX):
+                                x32 = T.cast(x[v], T.int32)
+                                y[v] = T.cast(masked_index(x32, T.int32, per_gpu, tp_rank, num_tp_ranks), dt)
+                            else:
+                                y[v] = masked_index(x[v], dt, per_gpu, tp_rank, num_tp_ranks)
+                        else:
+                            y[v] = masked_index(x[v], dt, per_gpu, tp_rank, num_tp_ranks)
                     for v in T.vectorized(vec):
                         masked[row, col + v] = y[v]
 
