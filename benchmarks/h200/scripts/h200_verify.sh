@@ -274,9 +274,11 @@ tune)
   BENCH=${BENCH:-$KERNELS}
   timeout "${BENCH_TIMEOUT:-100}" python tools/bench.py --isolate $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
     --kernels ${BENCH//,/ } --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
-  timeout 50 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
-  timeout 30 python tools/bench_chain.py --graph > "$OUT/chain.txt" 2>&1
-  tail -n 25 "$OUT/pretune.txt"; tail -n 60 "$OUT/bench.txt"; cat "$OUT/hostcost.txt" "$OUT/chain.txt"
+  if [ "${EXTRAS:-1}" = 1 ]; then  # EXTRAS=0: the pretune and the table only
+    timeout 50 python tools/hostcost.py --json "$OUT/hostcost.json" > "$OUT/hostcost.txt" 2>&1
+    timeout 30 python tools/bench_chain.py --graph > "$OUT/chain.txt" 2>&1
+  fi
+  tail -n 25 "$OUT/pretune.txt"; tail -n 60 "$OUT/bench.txt"; cat "$OUT/hostcost.txt" "$OUT/chain.txt" 2>/dev/null
   ;;
 fleet)
   # a fresh cache: the first study compiles every config it measures (the whole-study figure of a cold start)
