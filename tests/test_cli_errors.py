@@ -64,6 +64,13 @@ def test_tkjit_errors_exit_1_in_one_line(cache_dir):
     _one_error(_cli(cache_dir, "specs", "sinkhorn_fwd", "nope"), 1, "unknown kernel 'nope'")
 
 
+def test_tune_without_a_gpu_or_arch_says_so(cache_dir, tmp_path):
+    """The bench worker reports the GPU's arch as it starts (no separate probe process): on a host without a
+    GPU, `tkjit tune` without --arch stops with one line naming the fix."""
+    r = _cli(cache_dir, "tune", "sinkhorn_fwd", "--shape", "num_tokens=64", "--storage", f"journal:{tmp_path}/j.log")
+    _one_error(r, 1, "no CUDA GPU found: pass --arch")
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

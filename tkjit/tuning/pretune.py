@@ -63,7 +63,8 @@ def load_manifest(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def detect_arch() -> str:
     """The GPU's arch, asked of a child process: this process never touches CUDA (its children get
-    the device it names through CUDA_VISIBLE_DEVICES)."""
+    the device it names through CUDA_VISIBLE_DEVICES). `run_studies` does not call it: its bench worker
+    reports the arch as it starts (one CUDA start-up, not two)."""
     env = os.environ.get("TKJIT_ARCH")
     if env:
         return env
@@ -71,8 +72,11 @@ def detect_arch() -> str:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     arch = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     if not arch:
-        raise TkjitError("no CUDA GPU found: pass --arch (e.g. --arch cpu to tune the C target)")
+        raise TkjitError(NO_GPU)
     return arch
+
+
+NO_GPU = "no CUDA GPU found: pass --arch (e.g. --arch cpu to tune the C target)"
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:
@@ -191,6 +195,7 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
     killed worker) keeps the studies it finished."""
     from tkjit.tuning import LocalEvaluator, open_storage, tune
     from tkjit.tuning.tuner import HEARTBEAT_S
+    from tkjit.tuning.worker import AUTO_ARCH
     from tkjit.tuning_db import gpu_model, shipped_db_path, user_db_path, write_entries
 
     log = opts.log or sys.stderr
@@ -201,7 +206,7 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
     resolved = resolve_studies(studies)
     if not resolved:
         raise TkjitError("nothing to tune (no study names a known kernel with a valid shape)")
-    arch = opts.arch or detect_arch()
+    arch = opts.arch or os.environ.get("TKJIT_ARCH") or None  # None: the bench worker's GPU (below)
     # Opened once: an RDB storage is an engine and a connection pool, not a path.
     storage = open_storage(opts.storage, heartbeat_s=opts.heartbeat_s or HEARTBEAT_S)
     t_all = time.perf_counter()
@@ -215,10 +220,14 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
     rows: list[dict[str, Any]] = []
     entries: list[dict[str, Any]] = []
     written: dict[Path, None] = {}  # the DB files written, in order
-    with LocalEvaluator(arch, jobs=opts.jobs, timer=opts.timer, imports=opts.imports, timeout_s=opts.timeout_s,
-                        budget_s=opts.bench_budget_s) as ev:
+    with LocalEvaluator(arch or AUTO_ARCH, jobs=opts.jobs, timer=opts.timer, imports=opts.imports,
+                        timeout_s=opts.timeout_s, budget_s=opts.bench_budget_s) as ev:
         ev.pool.warm()  # processes import TileLang while the bench worker starts
         info = ev.device_info()
+        if arch is None:  # the worker's GPU (a separate probe process would start CUDA once more: seconds)
+            arch = info.get("arch")
+            if not arch:
+                raise TkjitError(NO_GPU)
         gpu = gpu_model(arch, info.get("gpu"))
         lap("start")
         copy_gbps = ev.copy_bandwidth_gbps()

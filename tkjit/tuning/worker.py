@@ -33,9 +33,12 @@ CHECK_CAP = 1 << 21  # input elements of the fresh-seed check (runtime dims shru
 STUDY_SEED = 20240601  # the timing inputs of a study
 
 
+AUTO_ARCH = "auto"  # WorkerSetup.arch: the worker's GPU, whatever its arch (it reports it in its hello)
+
+
 @dataclass
 class WorkerSetup:
-    arch: str
+    arch: str  # "cpu" (the C target), an sm arch, or AUTO_ARCH
     timer: str | None = None  # "module:attr"; None: CUDA events on GPU, perf_counter on CPU
     timer_kwargs: dict[str, Any] = field(default_factory=dict)
     imports: tuple[str, ...] = ()  # modules to import first (test-only specs register themselves)
@@ -68,9 +71,10 @@ class _Child:
 
             from tkjit.arch import current_arch, device_limits
 
-            info["gpu"] = torch.cuda.get_device_name()
-            info["arch"] = current_arch()
-            info["sms"] = (device_limits(info["arch"]) or {}).get("sms")  # what `tkjit.get` fits grids to
+            info["arch"] = current_arch()  # None without a usable GPU: the parent says so
+            if info["arch"]:
+                info["gpu"] = torch.cuda.get_device_name()
+                info["sms"] = (device_limits(info["arch"]) or {}).get("sms")  # what `tkjit.get` fits grids to
         return info
 
     def _kernel(self, name: str, shape: dict, config: dict, arch: str):
