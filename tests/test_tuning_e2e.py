@@ -124,3 +124,25 @@ def test_a_run_cut_short_keeps_the_winners_of_the_studies_it_finished(tmp_path, 
     (db,) = (tmp_path / "cache" / "v1" / "tuned" / "cpu").glob("*.json")
     (entry,) = json.loads(db.read_text())["entries"]
     assert entry["kernel"] == "sinkhorn_fwd" and entry["bucket"] == {"num_tokens": 1024}
+
+
+def test_a_worker_closed_before_it_started_is_stopped_at_once():
+    """`tkjit tune` spawns the bench worker first (it imports torch and starts CUDA while the CLI reads the
+    specs): a run that then stops on a bad study must not wait for that start."""
+    import time
+
+    from tkjit.tuning.worker import BenchWorker, WorkerSetup
+
+    w = BenchWorker(WorkerSetup(arch="cpu"))
+    w.spawn()
+    proc = w._proc
+    t0 = time.perf_counter()
+    w.close()
+    assert time.perf_counter() - t0 < 2.0 and not proc.is_alive()
+    w = BenchWorker(WorkerSetup(arch="cpu"))  # spawn, then start: the same worker, up
+    w.spawn()
+    pid = w._proc.pid
+    try:
+        assert w.start()["pid"] == pid
+    finally:
+        w.close()

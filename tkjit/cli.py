@@ -742,22 +742,32 @@ def _studies_of(args) -> list[dict[str, Any]]:
 
 def cmd_tune(args) -> int:
     from tkjit import envs
-    from tkjit.tuning.pretune import PretuneOptions, footer, run_studies, select_device, summary_table
+    from tkjit.tuning.pretune import (
+        PretuneOptions,
+        footer,
+        run_studies,
+        select_device,
+        start_evaluator,
+        summary_table,
+    )
 
-    studies = _studies_of(args)
     if envs.flag(envs.DISABLE_JIT):
         raise TkjitError(f"{envs.DISABLE_JIT.name}=1 forbids compiling: unset it to tune")
     if args.devices:
+        _studies_of(args)  # a bad name or shape fails here, once, not in every worker
         return _tune_on_every_device(args)
     if args.device is not None:
         select_device(args.device)
-    report = run_studies(studies, PretuneOptions(
+    opts = PretuneOptions(
         arch=args.arch, trials=args.trials, time_budget=args.time_budget, jobs=args.jobs, storage=args.storage,
         heartbeat_s=args.heartbeat, study_prefix=args.study_prefix, resume=args.resume,
         max_configs=args.max_configs, exhaustive_max=args.exhaustive_max, timeout_s=args.timeout,
         bench_budget_s=args.bench_budget, seed=args.seed, imports=args.imports, timer=args.timer,
         progress=not args.quiet and sys.stderr.isatty(), user_db=not args.no_user_db,
-        update_shipped=args.update_shipped))
+        update_shipped=args.update_shipped)
+    # The bench worker starts CUDA (seconds) while this process reads the specs (torch) and opens the storage.
+    with start_evaluator(opts) as ev:
+        report = run_studies(_studies_of(args), opts, evaluator=ev)
     table = summary_table(report.rows) + "\n" + footer(report)
     if args.json:
         print(table, file=sys.stderr)

@@ -188,30 +188,43 @@ def _bar(desc: str, log: Any) -> Any:
     return tqdm(total=0, desc=desc, unit="cfg", leave=True, file=log, dynamic_ncols=True)
 
 
-def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> PretuneReport:
+def start_evaluator(opts: PretuneOptions) -> Any:
+    """The bench worker, started now without waiting for it: it imports torch and starts CUDA (seconds) while
+    the caller reads its specs and opens its storage. For `run_studies`' `evaluator`; the caller closes it
+    (at once if the worker has not finished starting: a bad study name costs no wait)."""
+    from tkjit.tuning import LocalEvaluator
+    from tkjit.tuning.worker import AUTO_ARCH
+
+    ev = LocalEvaluator(opts.arch or os.environ.get("TKJIT_ARCH") or AUTO_ARCH, jobs=opts.jobs, timer=opts.timer,
+                        imports=opts.imports, timeout_s=opts.timeout_s, budget_s=opts.bench_budget_s)
+    ev.worker.spawn()
+    return ev
+
+
+def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, evaluator: Any = None) -> PretuneReport:
     """Tune every study (one failing does not stop the others), write the tuned DB, warm the cache.
+    `evaluator`: one from `start_evaluator` (the caller closes it); None: started and closed here.
 
     Each winner is merged into the DB files as soon as its study ends: a run cut short (a time limit, a
     killed worker) keeps the studies it finished."""
-    from tkjit.tuning import LocalEvaluator, open_storage, tune
+    import contextlib
+
+    from tkjit.tuning import open_storage, tune
     from tkjit.tuning.tuner import HEARTBEAT_S
-    from tkjit.tuning.worker import AUTO_ARCH
     from tkjit.tuning_db import gpu_model, shipped_db_path, user_db_path, write_entries
 
     log = opts.log or sys.stderr
     import importlib
 
+    t_all = time.perf_counter()
+    phases: dict[str, float] = {}  # start (worker, studies, storage), copy ceiling, search, re-time, warm, close
+    mark = [t_all]
     for m in opts.imports:
         importlib.import_module(m)
-    resolved = resolve_studies(studies)
-    if not resolved:
-        raise TkjitError("nothing to tune (no study names a known kernel with a valid shape)")
+    own = evaluator is None
+    if own:
+        evaluator = start_evaluator(opts)
     arch = opts.arch or os.environ.get("TKJIT_ARCH") or None  # None: the bench worker's GPU (below)
-    # Opened once: an RDB storage is an engine and a connection pool, not a path.
-    storage = open_storage(opts.storage, heartbeat_s=opts.heartbeat_s or HEARTBEAT_S)
-    t_all = time.perf_counter()
-    phases: dict[str, float] = {}  # worker start (imports, CUDA), copy ceiling, search, re-time, cache warm, close
-    mark = [t_all]
 
     def lap(name: str) -> None:
         now = time.perf_counter()
@@ -220,9 +233,14 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
     rows: list[dict[str, Any]] = []
     entries: list[dict[str, Any]] = []
     written: dict[Path, None] = {}  # the DB files written, in order
-    with LocalEvaluator(arch or AUTO_ARCH, jobs=opts.jobs, timer=opts.timer, imports=opts.imports,
-                        timeout_s=opts.timeout_s, budget_s=opts.bench_budget_s) as ev:
-        ev.pool.warm()  # processes import TileLang while the bench worker starts
+    with evaluator if own else contextlib.nullcontext(evaluator) as ev:
+        # While the bench worker starts: the studies' specs and the storage (opened once: an RDB storage is an
+        # engine and a connection pool, not a path).
+        resolved = resolve_studies(studies)
+        if not resolved:
+            raise TkjitError("nothing to tune (no study names a known kernel with a valid shape)")
+        storage = open_storage(opts.storage, heartbeat_s=opts.heartbeat_s or HEARTBEAT_S)
+        ev.pool.warm()  # its processes import TileLang while the bench worker finishes starting
         info = ev.device_info()
         if arch is None:  # the worker's GPU (a separate probe process would start CUDA once more: seconds)
             arch = info.get("arch")
@@ -281,7 +299,8 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions) -> P
             if err:
                 print(f"tune: warming the cache: {err}", file=log)
         lap("warm")
-    lap("close")
+    if own:  # (the caller's evaluator closes after this returns)
+        lap("close")
     return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all, phases)
 
 

@@ -275,15 +275,24 @@ class BenchWorker:
         self.info: dict[str, Any] = {}
         self.restarts = 0
 
-    def start(self) -> dict[str, Any]:
+    def spawn(self) -> None:
+        """Start the child without waiting for it (it imports torch and starts CUDA: seconds the caller can
+        spend on its own start-up); `start` waits for its hello."""
         if self._proc is not None and self._proc.is_alive():
-            return self.info
+            return
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_main, args=(child, self.setup, os.getpid()), daemon=True, name="tkjit-bench")
         proc.start()
         child.close()
         self._proc, self._conn = proc, parent
+        self.info = {}
+
+    def start(self) -> dict[str, Any]:
+        if self._proc is not None and self._proc.is_alive() and self.info:
+            return self.info
+        self.spawn()
+        proc, parent = self._proc, self._conn
         if not parent.poll(self.start_timeout_s):
             self._kill()
             raise RuntimeError(f"bench worker did not start within {self.start_timeout_s:.0f}s")
@@ -341,7 +350,7 @@ class BenchWorker:
             proc.join(10)
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None and self.info:
             with contextlib.suppress(Exception):
                 self._conn.send({"op": "exit"})
                 self._proc.join(5)

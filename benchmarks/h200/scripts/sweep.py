@@ -61,7 +61,7 @@ def main() -> int:
             wrong.append((c, msg))
             continue
         sizes = {r: full[r] for r in k.caller_sized}  # outputs no input sizes (get_fused_mapping's buffer)
-        ts = time_cuda(lambda k=k: k(*inputs, **sizes), reps=args.reps)
+        ts = time_cuda(lambda k=k, sizes=sizes: k(*inputs, **sizes), reps=args.reps)
         rows.append({"config": c, "us": median(ts), "spread": rel_spread(ts)})
     rows.sort(key=lambda r: r["us"])
     d = spec.default_config(full, "sm_90a")
