@@ -234,13 +234,15 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
     entries: list[dict[str, Any]] = []
     written: dict[Path, None] = {}  # the DB files written, in order
     with evaluator if own else contextlib.nullcontext(evaluator) as ev:
-        # While the bench worker starts: the studies' specs and the storage (opened once: an RDB storage is an
-        # engine and a connection pool, not a path).
+        # While the bench worker starts: the studies' specs, the compile pool, the storage (opened once: an RDB
+        # storage is an engine and a connection pool, not a path).
         resolved = resolve_studies(studies)
         if not resolved:
             raise TkjitError("nothing to tune (no study names a known kernel with a valid shape)")
+        # Its processes import TileLang while the bench worker finishes starting; not before the studies are
+        # read: a bad name or shape must not wait for them (on a 2-core host they also slow the worker's start).
+        ev.pool.warm()
         storage = open_storage(opts.storage, heartbeat_s=opts.heartbeat_s or HEARTBEAT_S)
-        ev.pool.warm()  # its processes import TileLang while the bench worker finishes starting
         info = ev.device_info()
         if arch is None:  # the worker's GPU (a separate probe process would start CUDA once more: seconds)
             arch = info.get("arch")
