@@ -28,7 +28,6 @@ except ImportError:  # Python 3.10
 
 from tkjit.tuning.pretune import (  # noqa: E402  (re-exported: tests and old callers use them from here)
     PretuneOptions,
-    detect_arch,
     expand,
     footer,
     load_manifest,
@@ -36,7 +35,7 @@ from tkjit.tuning.pretune import (  # noqa: E402  (re-exported: tests and old ca
     summary_table,
 )
 
-__all__ = ["expand", "detect_arch", "summary_table", "tomllib", "parse_args", "main"]
+__all__ = ["expand", "summary_table", "tomllib", "parse_args", "main"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -61,24 +61,6 @@ def load_manifest(path: str | os.PathLike) -> list[dict[str, Any]]:
         raise TkjitError(f"manifest {path}: {e}") from None
 
 
-def detect_arch() -> str:
-    """The GPU's arch, asked of a child process: this process never touches CUDA (its children get
-    the device it names through CUDA_VISIBLE_DEVICES). `run_studies` does not call it: its bench worker
-    reports the arch as it starts (one CUDA start-up, not two)."""
-    env = os.environ.get("TKJIT_ARCH")
-    if env:
-        return env
-    code = "from tkjit.arch import current_arch; print(current_arch() or '')"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    arch = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
-    if not arch:
-        raise TkjitError(NO_GPU)
-    return arch
-
-
-NO_GPU = "no CUDA GPU found: pass --arch (e.g. --arch cpu to tune the C target)"
-
-
 def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -116,7 +98,7 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
 class PretuneOptions:
     """How `run_studies` tunes; a study's own `trials` / `time_budget` apply where these are None."""
 
-    arch: str | None = None  # None: the GPU's (asked of a child process)
+    arch: str | None = None  # None: TKJIT_ARCH, else the bench worker's GPU
     trials: int | None = None  # distinct configs measured per study
     time_budget: float | None = None  # seconds per study
     jobs: int | None = None  # parallel compile processes (None: cores)
@@ -188,6 +170,13 @@ def _bar(desc: str, log: Any) -> Any:
     return tqdm(total=0, desc=desc, unit="cfg", leave=True, file=log, dynamic_ncols=True)
 
 
+def _given_arch(opts: PretuneOptions) -> str | None:
+    """--arch, else TKJIT_ARCH; None: the bench worker's GPU, which it reports as it starts."""
+    from tkjit import envs
+
+    return opts.arch or envs.ARCH.get()
+
+
 def start_evaluator(opts: PretuneOptions) -> Any:
     """The bench worker, started now without waiting for it: it imports torch and starts CUDA (seconds) while
     the caller reads its specs and opens its storage. For `run_studies`' `evaluator`; the caller closes it
@@ -195,8 +184,8 @@ def start_evaluator(opts: PretuneOptions) -> Any:
     from tkjit.tuning import LocalEvaluator
     from tkjit.tuning.worker import AUTO_ARCH
 
-    ev = LocalEvaluator(opts.arch or os.environ.get("TKJIT_ARCH") or AUTO_ARCH, jobs=opts.jobs, timer=opts.timer,
-                        imports=opts.imports, timeout_s=opts.timeout_s, budget_s=opts.bench_budget_s)
+    ev = LocalEvaluator(_given_arch(opts) or AUTO_ARCH, jobs=opts.jobs, timer=opts.timer, imports=opts.imports,
+                        timeout_s=opts.timeout_s, budget_s=opts.bench_budget_s)
     ev.worker.spawn()
     return ev
 
@@ -224,7 +213,7 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
     own = evaluator is None
     if own:
         evaluator = start_evaluator(opts)
-    arch = opts.arch or os.environ.get("TKJIT_ARCH") or None  # None: the bench worker's GPU (below)
+    arch = _given_arch(opts)  # None: the bench worker's GPU (below)
 
     def lap(name: str) -> None:
         now = time.perf_counter()
@@ -247,7 +236,7 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
         if arch is None:  # the worker's GPU (a separate probe process would start CUDA once more: seconds)
             arch = info.get("arch")
             if not arch:
-                raise TkjitError(NO_GPU)
+                raise TkjitError("no CUDA GPU found: pass --arch (e.g. --arch cpu to tune the C target)")
         gpu = gpu_model(arch, info.get("gpu"))
         lap("start")
         copy_gbps = ev.copy_bandwidth_gbps()
