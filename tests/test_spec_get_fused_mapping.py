@@ -119,7 +119,7 @@ def test_spec_validates(spec):
     for ex in spec.examples:
         full = spec.canonical_shape(ex)
         assert spec.default_config(full, "sm_90a") in spec.configs(full, "sm_90a")
-    assert mod.default({"num_experts": 256}) == {"threads": 256, "blocks": 132, "count": "match"}
+    assert mod.default({"num_experts": 256}) == {"threads": 256, "blocks": 132, "count": "match", "reduce": "loop"}
 
 
 @pytest.mark.parametrize("e", [1, 2, 72, 255, 256, 257, 512, 1000, 1024])
@@ -140,13 +140,13 @@ def test_bad_shapes_and_configs(spec):
         spec.canonical_shape(_shape(4, 0, 16, 1, 64))
     full = spec.canonical_shape(_shape(8, 8, 512, 64))
     with pytest.raises(ConfigError, match="threads=256 < num_experts=512"):
-        spec.check_config(full, {"threads": 256, "blocks": 66, "count": "match"})
+        spec.check_config(full, {"threads": 256, "blocks": 66, "count": "match", "reduce": "loop"})
     with pytest.raises(ConfigError, match="CUDA targets only"):
         spec.check_config(full, spec.default_config(full), "cpu")
     with pytest.raises(ConfigError, match="not in the space"):
-        spec.check_config(full, {"threads": 512, "blocks": 264, "count": "match"})
+        spec.check_config(full, {"threads": 512, "blocks": 264, "count": "match", "reduce": "loop"})
     assert all(c["threads"] >= 512 for c in spec.configs(full, "sm_90a"))
-    assert len(spec.configs(spec.canonical_shape(_shape(8, 8, 256, 64)), "sm_90a")) == 30  # (15 grids) x 2 counts
+    assert len(spec.configs(spec.canonical_shape(_shape(8, 8, 256, 64)), "sm_90a")) == 90  # 15 grids x 2 x 3
 
 
 # -- the reference -----------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def test_make_inputs(spec):
     a, ws = spec.make_inputs(s, "cpu", 0)
     b, _ = spec.make_inputs(s, "cpu", 1)
     assert a.dtype == torch.int64 and a.shape == (400, 8) and a.is_contiguous()
-    assert ws.shape == (mod.MAX_BLOCKS, 64) and ws.dtype == torch.int32
+    assert ws.shape == (mod.WS_ROWS, 64) and ws.dtype == torch.int32
     assert (a == -1).any() and ((a >= 0) & (a < 64)).any() and ((a == -1).all(-1)).any()
     assert not ((a < -1) | (a >= 64)).any()  # even seeds: valid routing only
     assert ((b < -1) | (b >= 64)).any() and (b[:, 0] == b[:, 1]).any()  # odd: out of range, duplicates

@@ -699,7 +699,7 @@ def _fused_shape(topk_idx, num_experts, num_expanded_tokens, alignment) -> dict:
 
 
 def _fused_buffers(n: int, k: int, e: int, nexp: int, dev, pooled: bool) -> tuple:
-    """The workspace (MAX_BLOCKS, e) and the seven outputs, each contiguous and starting on 16 bytes (the
+    """The workspace (WS_ROWS, e) and the seven outputs, each contiguous and starting on 16 bytes (the
     kernel's `TensorArg.align`). pooled: ONE allocation, the tensors views of it at 16-byte offsets (the
     eager path; torch.empty on the GPU host costs µs a call). Otherwise (the custom op, whose outputs may
     not share storage) one allocation per output, the workspace in pos_to_expert's, past its rows."""
@@ -719,12 +719,12 @@ def _fused_buffers(n: int, k: int, e: int, nexp: int, dev, pooled: bool) -> tupl
 
 @functools.lru_cache(maxsize=64)
 def _fused_sizes(n: int, k: int, e: int, nexp: int, pooled: bool) -> tuple:
-    from tkjit_kernels.moe.get_fused_mapping import MAX_BLOCKS
+    from tkjit_kernels.moe.get_fused_mapping import WS_ROWS
 
     def pad(m: int) -> int:  # int32 elements up to the next 16 bytes
         return -m % 4
 
-    ws = MAX_BLOCKS * e
+    ws = WS_ROWS * e
     if not pooled:  # pos_to_expert (at offset 0), padding, then the workspace: (total, split sizes)
         return nexp + pad(nexp) + ws, (nexp, pad(nexp), ws)
     pieces, at = [], []

@@ -29,17 +29,25 @@ global warp order = flat order:
      entry, as TileKernels counts), the block turns its rows into
      per-warp exclusive prefixes and writes its per-expert total to the `block_counts` workspace;
   2. grid barrier;
-  3. the thread of expert e sums the blocks' totals (all of them, and those before its block), aligns,
-     and a block-wide scan (warp shuffles) gives expert_start; block 0 writes the per-expert outputs;
+  3. per expert, the total over the blocks and the part of it in the blocks before this one (`reduce`:
+     "loop": the thread of expert e reads the nb block rows in a loop; "unroll": the same loads all issued
+     at once (a loop unrolled over the config's `blocks`, rows past the grid read but not added: a rolled
+     loop waits an L2 round trip every few rows); "columns": the grid's warps scan one expert column each
+     over the blocks into the workspace's second half (inclusive prefixes), then a second grid barrier,
+     and each block reads two rows: every block re-reading every row is nb * nb * E loads of L2 traffic),
+     then it aligns, and a block-wide scan (warp shuffles) gives expert_start; block 0 writes the
+     per-expert outputs;
   4. each warp walks its range again: position = its base for the expert + the lane's rank among
      equal-expert lanes below it (match_any + popcount); the group's lowest lane advances the base;
   5. padding positions ([start + count, end) of each expert, block b taking experts b, b + grid, ...)
      and the tail [expert_end[-1], num_expanded_tokens) get -1. Every position is written once, by
      exactly one thread, so nothing is filled first.
-`block_counts` (MAX_BLOCKS, num_experts) int32 is an in-place workspace input (its content on entry
-is ignored; rows below the grid size are overwritten): the op passes torch.empty.
+`block_counts` (WS_ROWS, num_experts) int32 is an in-place workspace input (its content on entry is
+ignored; rows below the grid size, and for "columns" rows MAX_BLOCKS + b, are overwritten): the op passes
+torch.empty. ("columns" writes its prefixes to rows no block has read in this launch, so no SM can hold
+a stale copy of them in its L1 after the barrier.)
 Tunables: threads (>= num_experts: one thread per expert in steps 3-5), blocks (the grid cap), count
-(how step 1 counts).
+(how step 1 counts), reduce (how step 3 sums the blocks' counts).
 CUDA only (warp match/shuffle and the grid barrier).
 """
 
@@ -50,7 +58,8 @@ from tkjit.registry import register
 from tkjit.spec import KernelSpec, Runtime, Static, TensorArg, Tolerance
 
 MAX_EXPERTS = 1024
-MAX_BLOCKS = 132  # rows of the workspace: the largest grid in the space (one block per H100/H200 SM)
+MAX_BLOCKS = 132  # the largest grid in the space (one block per H100/H200 SM)
+WS_ROWS = 2 * MAX_BLOCKS  # the workspace: per block counts, then (reduce="columns") their inclusive prefixes
 SMEM_LIMIT = 160 * 1024  # per-warp count rows; under the 227 KB an sm_90 block may take
 MAX_TOPK = 64
 MAX_ALIGNMENT = 1 << 16
@@ -75,7 +84,7 @@ def default(shape):
     # One block per SM of an H100/H200 (132); 1024-thread blocks holding 128 KB of counts get half
     # that, so the cooperative launch also fits GPUs with fewer SMs (H100 PCIe: 114).
     blocks = 132 if threads <= 512 else 66
-    return {"threads": threads, "blocks": blocks, "count": "match"}
+    return {"threads": threads, "blocks": blocks, "count": "match", "reduce": "loop"}
 
 
 def constraint(shape, c):
@@ -86,7 +95,7 @@ def constraint(shape, c):
     if smem > SMEM_LIMIT:
         return f"{smem} bytes of per-warp counts exceed {SMEM_LIMIT}"
     if c["blocks"] > MAX_BLOCKS:
-        return f"blocks={c['blocks']} > the workspace's {MAX_BLOCKS} rows"
+        return f"blocks={c['blocks']} > {MAX_BLOCKS}, the largest grid the workspace has rows for"
     return None
 
 
@@ -122,7 +131,8 @@ def build(shape, c):
     from tilelang import language as T
 
     E, K, A = shape["num_experts"], shape["num_topk"], shape["alignment"]
-    threads, blocks, count = c["threads"], c["blocks"], c["count"]
+    threads, blocks, count, reduce = c["threads"], c["blocks"], c["count"], c["reduce"]
+    NC = -(-blocks // 32)  # "columns": chunks of 32 blocks a lane scans
     W = threads // 32
     num_tokens = T.dynamic("num_tokens")
     nexp = T.dynamic("num_expanded_tokens")
@@ -145,7 +155,7 @@ def build(shape, c):
     @T.prim_func
     def get_fused_mapping(
         topk_idx: T.Tensor[(num_tokens, K), i64],
-        block_counts: T.Tensor[(MAX_BLOCKS, E), i32],
+        block_counts: T.Tensor[(WS_ROWS, E), i32],
         pos_to_expert: T.Tensor[(nexp,), i32],
         pos_to_token: T.Tensor[(nexp,), i32],
         pos_to_token_topk: T.Tensor[(nexp,), i32],
@@ -167,6 +177,9 @@ def build(shape, c):
             v = T.alloc_local((1,), i64)
             tot = T.alloc_local((1,), i32)
             before = T.alloc_local((1,), i32)
+            mine = T.alloc_local((1,), i32)  # this block's count of expert tx
+            carry = T.alloc_local((1,), i32)
+            vals = T.alloc_local((NC,), i32)
             run = T.alloc_local((1,), i32)
             x = T.alloc_local((1,), i32)
             y = T.alloc_local((1,), i32)
@@ -209,16 +222,44 @@ def build(shape, c):
                     cnt[ww, tx] = run[0]  # exclusive prefix over the block's warps
                     run[0] = run[0] + x[0]
                 block_counts[bx, tx] = run[0]
+                mine[0] = run[0]
             T.sync_grid()
 
             # 3. Totals, this block's offset, and the aligned layout.
             tot[0] = 0
             before[0] = 0
-            if tx < E:
-                for b in T.serial(nb):
-                    x[0] = block_counts[b, tx]
-                    tot[0] = tot[0] + x[0]
-                    before[0] = before[0] + T.if_then_else(b < bx, x[0], 0)
+            if reduce == "loop":
+                if tx < E:
+                    for b in T.serial(nb):
+                        x[0] = block_counts[b, tx]
+                        tot[0] = tot[0] + x[0]
+                        before[0] = before[0] + T.if_then_else(b < bx, x[0], 0)
+            elif reduce == "unroll":
+                if tx < E:
+                    for b in T.unroll(blocks):  # rows at or past nb hold garbage: read (in bounds), not added
+                        x[0] = block_counts[b, tx]
+                        tot[0] = tot[0] + T.if_then_else(b < nb, x[0], 0)
+                        before[0] = before[0] + T.if_then_else(b < bx, x[0], 0)
+            else:  # "columns": global warp g scans experts g, g + nb * W, ... over the blocks
+                for j in T.serial(T.ceildiv(T.max(E - (bx * W + w), 0), nb * W)):
+                    e = bx * W + w + j * (nb * W)
+                    for ch in T.unroll(NC):  # every load first, then the scans
+                        vals[ch] = T.if_then_else(ch * 32 + lane < nb,
+                                                  block_counts[T.min(ch * 32 + lane, MAX_BLOCKS - 1), e], 0)
+                    carry[0] = 0
+                    for ch in T.unroll(NC):
+                        run[0] = vals[ch]
+                        for s in T.unroll(5):
+                            x[0] = T.shfl_up(run[0], 1 << s)
+                            if lane >= (1 << s):
+                                run[0] = run[0] + x[0]
+                        if ch * 32 + lane < nb:
+                            block_counts[MAX_BLOCKS + ch * 32 + lane, e] = run[0] + carry[0]
+                        carry[0] = carry[0] + T.shfl_sync(run[0], 31)
+                T.sync_grid()
+                if tx < E:
+                    tot[0] = block_counts[MAX_BLOCKS + nb - 1, tx]
+                    before[0] = block_counts[MAX_BLOCKS + bx, tx] - mine[0]
             seg = aligned(tot[0])
             run[0] = seg
             for s in T.unroll(5):  # inclusive scan inside the warp
@@ -315,7 +356,7 @@ def make_inputs(shape, device="cpu", seed=0):
                                                                                          generator=g)]
         if k > 1:
             idx[: n // 4, 1] = idx[: n // 4, 0]  # the same expert twice in a token
-    ws = torch.randint(-(1 << 30), 1 << 30, (MAX_BLOCKS, e), generator=g, dtype=torch.int32)
+    ws = torch.randint(-(1 << 30), 1 << 30, (WS_ROWS, e), generator=g, dtype=torch.int32)
     return idx.contiguous().to(device), ws.to(device)
 
 
@@ -376,7 +417,8 @@ SPEC = register(
             Static("num_experts", lo=1, hi=MAX_EXPERTS, default=256, doc="experts"),
             Static("alignment", lo=1, hi=MAX_ALIGNMENT, default=128, doc="each expert's segment length multiple"),
         ),
-        space={"threads": (128, 256, 512, 1024), "blocks": (8, 16, 33, 66, 132), "count": ("match", "atomic")},
+        space={"threads": (128, 256, 512, 1024), "blocks": (8, 16, 33, 66, 132), "count": ("match", "atomic"),
+               "reduce": ("loop", "unroll", "columns")},
         default=default,
         constraint=constraint,
         arch_constraint=arch_constraint,
@@ -385,7 +427,7 @@ SPEC = register(
         pass_configs=pass_configs,
         inputs=(
             TensorArg("topk_idx", "int64", ("num_tokens", "num_topk")),
-            TensorArg("block_counts", "int32", (MAX_BLOCKS, "num_experts"), inout=True),
+            TensorArg("block_counts", "int32", (WS_ROWS, "num_experts"), inout=True),
         ),
         outputs=(
             TensorArg("pos_to_expert", "int32", ("num_expanded_tokens",)),

@@ -10,7 +10,7 @@ import tkjit.ops
 from tkjit.errors import ShapeError, TensorError
 from tkjit.pool import compile_many
 from tkjit.testing import check
-from tkjit_kernels.moe.get_fused_mapping import MAX_BLOCKS, upper_bound
+from tkjit_kernels.moe.get_fused_mapping import WS_ROWS, upper_bound
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
 NAME = "get_fused_mapping"
@@ -130,7 +130,7 @@ def test_bad_input_errors():
         tkjit.ops.get_fused_mapping(x.int(), 16, 0, 8)
     with pytest.raises(ShapeError):
         tkjit.ops.get_fused_mapping(x, 16, -1, 8)
-    ws = torch.empty(MAX_BLOCKS, 16, dtype=torch.int32, device="cuda")
+    ws = torch.empty(WS_ROWS, 16, dtype=torch.int32, device="cuda")
     kern = tkjit.get(NAME, _shape(64, 4, 16, 8))
     with pytest.raises(TensorError):
         kern(x, ws[:, :8], num_expanded_tokens=100)

@@ -27,6 +27,8 @@
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
+#   ncu       # Nsight Compute, tkjit's kernel beside TileKernels' on one benchmark shape (scripts/ncu_pair.py): $NCU_JOBS,
+#             # "kernel:shape-index[:tkjit config JSON]" separated by ";" (default get_fused_mapping at 8192 tokens)
 #   fleet     # sinkhorn_fwd's 28-config study at 1M tokens: one worker from a cold cache (compiling), then one
 #             # worker and two workers sharing the study through SQLite on the one GPU (wall time; each config
 #             # measured once)
@@ -279,6 +281,19 @@ tune)
     timeout 30 python tools/bench_chain.py --graph > "$OUT/chain.txt" 2>&1
   fi
   tail -n 25 "$OUT/pretune.txt"; tail -n 60 "$OUT/bench.txt"; cat "$OUT/hostcost.txt" "$OUT/chain.txt" 2>/dev/null
+  ;;
+ncu)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  IFS=';' read -ra jobs <<< "${NCU_JOBS:-get_fused_mapping:0}"
+  { for job in "${jobs[@]}"; do
+      IFS=':' read -r kern idx cfg <<< "$job"
+      for impl in tk tkjit; do
+        echo "=== $kern shape $idx $impl ${cfg}"
+        timeout 60 $NCU -k "regex:$kern" python benchmarks/h200/scripts/ncu_pair.py "$kern" --impl $impl \
+          --shape-index "$idx" ${cfg:+--config "$cfg"}
+      done
+    done; } > "$OUT/ncu.txt" 2>&1
+  grep -E "^===|: tkjit|: TileKernels|Duration|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Achieved Occ|Warp Cycles Per Issued|Executed Ipc A" "$OUT/ncu.txt"
   ;;
 fleet)
   # a fresh cache: the first study compiles every config it measures (the whole-study figure of a cold start)
