@@ -28,7 +28,8 @@
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
 #   ncu       # Nsight Compute, tkjit's kernel beside TileKernels' on one benchmark shape (scripts/ncu_pair.py): $NCU_JOBS,
-#             # "kernel:shape-index[:tkjit config JSON]" separated by ";" (default get_fused_mapping at 8192 tokens)
+#             # "kernel:shape-index[:tkjit config JSON]" separated by ";" (default get_fused_mapping at 8192 tokens);
+#             # NCU_REGEX: the kernels' names when they are not the op's (a regex over both)
 #   fleet     # sinkhorn_fwd's 28-config study at 1M tokens: one worker from a cold cache (compiling), then one
 #             # worker and two workers sharing the study through SQLite on the one GPU (wall time; each config
 #             # measured once)
@@ -289,7 +290,7 @@ ncu)
       IFS=':' read -r kern idx cfg <<< "$job"
       for impl in tk tkjit; do
         echo "=== $kern shape $idx $impl ${cfg}"
-        timeout 60 $NCU -k "regex:$kern" python benchmarks/h200/scripts/ncu_pair.py "$kern" --impl $impl \
+        timeout 60 $NCU -k "regex:${NCU_REGEX:-$kern}" python benchmarks/h200/scripts/ncu_pair.py "$kern" --impl $impl \
           --shape-index "$idx" ${cfg:+--config "$cfg"}
       done
     done; } > "$OUT/ncu.txt" 2>&1
