@@ -288,6 +288,9 @@ ncu)
   IFS=';' read -ra jobs <<< "${NCU_JOBS:-get_fused_mapping:0}"
   { for job in "${jobs[@]}"; do
       IFS=':' read -r kern idx cfg <<< "$job"
+      # TileKernels' generated CUDA, to read beside tkjit's (the cache's kernel.cu)
+      TK_PRINT_KERNEL_SOURCE=1 timeout 60 python benchmarks/h200/scripts/ncu_pair.py "$kern" --impl tk --launches 1 \
+        --shape-index "$idx" > "$OUT/tk_source_${kern}_$idx.cu" 2>&1
       for impl in tk tkjit; do
         echo "=== $kern shape $idx $impl ${cfg}"
         timeout 60 $NCU -k "regex:${NCU_REGEX:-$kern}" python benchmarks/h200/scripts/ncu_pair.py "$kern" --impl $impl \
