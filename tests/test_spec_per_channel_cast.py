@@ -495,7 +495,8 @@ def test_occupancy_hint_caps_registers(cache_dir, name, hint):
 def test_shared_factors(cache_dir, name, round_scale):
     """factors='shared': only the first row of threads divides (scales and factors), a second barrier, then every
     thread reads its channels' factors from shared memory; 'thread': every thread divides for its own channels
-    (and, unrounded, only the first row for the scales)."""
+    (and, unrounded, only the first row for the scales); 'channel': one thread a channel folds the partial maxima
+    and divides, the others only read their factors (one fold loop, in the threads under the block's width)."""
     shape = _staged_shape(name, round_scale=round_scale)
     hint = 1536 if name == "per_channel_cast_fused" else 2048  # (the gather's row index: 40 registers)
     cfg = {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", "min_threads_per_sm": hint}
@@ -504,16 +505,18 @@ def test_shared_factors(cache_dir, name, round_scale):
                                                                              "min_threads_per_sm": 0,
                                                                              "factors": "shared"})
     divs = {}
-    for factors in ("thread", "shared"):
+    for factors in ("thread", "shared", "channel"):
         k = tkjit.get(name, shape, arch="sm_90a", config={**cfg, "factors": factors})
         src = (k.path / "kernel.cu").read_text()
         divs[factors] = src.count("__fdiv_rn")
         # shared: a barrier before the factors are read (TileLang also lays them over the partial maxima, with one
         # more barrier before it writes them)
-        assert (src.count("__syncthreads") >= 2) == (factors == "shared")
+        assert (src.count("__syncthreads") >= 2) == (factors != "thread")
+        if factors == "channel":
+            assert "if (((int)threadIdx.x) < 64) {" in src  # 16 channel threads x 4 channels: a channel a thread
         usage = ptxas_usage(k.path / "kernel.cu")
         assert usage["registers"] <= 65536 // hint and usage["spill"] == 0, (factors, usage)
-    assert divs["shared"] <= divs["thread"]
+    assert divs["shared"] <= divs["thread"] and divs["channel"] <= divs["thread"]
 
 
 def test_space_has_every_tile_kernels_shape():

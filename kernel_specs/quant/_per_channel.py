@@ -209,7 +209,12 @@ def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable, round_scale:
       "shared"  only the tr == 0 threads make scales and factors, and pass the factors to the others through
                 shared memory (a second barrier): TileKernels' way. Each factor is an IEEE division, which the
                 SwiGLU casts (one division an element already, compute-bound) feel: "thread" spends vec more a
-                thread (36 against 32 at 8 rows x 4 channels)."""
+                thread (36 against 32 at 8 rows x 4 channels).
+      "channel" one thread a channel (thread t: channels t, t + threads, ...) folds its channel's partial maxima,
+                makes its scale and factor and passes both through shared memory (a second barrier): the other
+                threads fold nothing. Every thread of "thread" folds tok_threads x vec maxima and divides vec times,
+                which at 16 rows x 4 channels is 64 shared-memory maxima and 4-8 divisions a thread, against 32
+                elements' SwiGLU: TileKernels' SwiGLU cast folds this way."""
     from tilelang import language as T
 
     scale_of, inv_of = unrounded_scale(T, max_value=FP8_MAX)
@@ -237,6 +242,38 @@ def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable, round_scale:
             T.sync_threads()
             for v in T.vectorized(vec):
                 inv[v] = fac[cc + v]
+
+        return fold
+
+    if factors == "channel":
+
+        @T.macro
+        def fold(red, amax, sf, inv, tr, cc):
+            block_ch = red.shape[1]
+            threads = tok_threads * (block_ch // vec)
+            fac = T.alloc_shared((2, block_ch), T.float32)  # each channel's scale, then its factor
+            m = T.alloc_local((1,), T.float32)
+            s = T.alloc_local((1,), T.float32)
+            f = T.alloc_local((1,), T.float32)
+            for v in T.vectorized(vec):
+                red[tr, cc + v] = amax[v]
+            T.sync_threads()
+            t = tr * (block_ch // vec) + cc // vec  # the thread's index
+            for i in T.serial(-(-block_ch // threads)):
+                ch = i * threads + t
+                if ch < block_ch:
+                    m[0] = red[0, ch]
+                    for r in T.unroll(1, tok_threads):
+                        m[0] = T.max(m[0], red[r, ch])
+                    scale_and_inv(m, s, f, 0)
+                    fac[0, ch] = s[0]
+                    fac[1, ch] = f[0]
+            T.sync_threads()
+            for v in T.vectorized(vec):
+                inv[v] = fac[1, cc + v]
+            if tr == 0:
+                for v in T.vectorized(vec):
+                    sf[v] = fac[0, cc + v]
 
         return fold
 
@@ -330,7 +367,8 @@ STAGES = ("regs", "smem")
 # (33 registers). Whether the extra warps beat the loads in flight they cost is the tuner's to measure.
 # factors (stage="smem" only): where each channel's factor is made, `block_fold` says.
 STAGED_SPACE = {**TILE_SPACE, "stage": STAGES, "min_threads_per_sm": (0, 1024, 1536, 2048),
-                "factors": ("thread", "shared")}
+                "factors": ("thread", "shared", "channel")}
+FACTOR_ROWS = {"thread": 0, "shared": 1, "channel": 2}  # float32 rows of a block's channels the factors pass through
 SMEM_MAX = 96 * 1024  # shared bytes a block: two blocks an SM at least
 SM_SMEM = 228 * 1024  # shared bytes an SM (sm_90): the blocks the hint asks for must fit, 1 KiB each reserved
 BANK_BYTES = 128  # a shared-memory wavefront: 32 banks x 4 bytes
@@ -345,7 +383,7 @@ def occupancy_problem(c, shared: int) -> str | None:
     """Why config c's options of the staged layout (the occupancy hint min_threads_per_sm, shared factors) do not
     apply to it, else None. shared: the block's shared bytes (0 for the register tile)."""
     if c.get("factors", "thread") != "thread" and c.get("stage", "regs") != "smem":
-        return "factors='shared' is for stage='smem' (the register tile makes every factor in its threads)"
+        return f"factors={c['factors']!r} is for stage='smem' (the register tile makes every factor in its threads)"
     want = c.get("min_threads_per_sm", 0)
     if not want:
         return None
@@ -370,7 +408,7 @@ def smem_constraint(shape, c) -> str | None:
     # warp at a time, narrower ones half a warp): lanes of different rows would hit the same banks.
     if min(cht, 32) * min(vec * eb, 16) < BANK_BYTES:
         return f"{cht} threads x {vec * eb} bytes along a row leave shared-memory bank conflicts (< 128 bytes)"
-    shared = npt * vec * cht * eb + tok_threads * vec * cht * 4 + (vec * cht * 4 if c.get("factors") == "shared" else 0)
+    shared = (npt * eb + tok_threads * 4 + FACTOR_ROWS[c.get("factors", "thread")] * 4) * vec * cht
     if shared > SMEM_MAX:
         return f"{shared} bytes of shared memory a block (max {SMEM_MAX})"
     if vec * cht >= 2 * h and cht > TILE_SPACE["ch_threads"][0]:
