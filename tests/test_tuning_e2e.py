@@ -146,3 +146,38 @@ def test_a_worker_closed_before_it_started_is_stopped_at_once():
         assert w.start()["pid"] == pid
     finally:
         w.close()
+
+
+def test_check_reference_computed_once_a_seed(tmp_path, monkeypatch):
+    """The candidates' correctness check: a study draws a few seeds (tuner.CHECK_SEEDS) and the worker keeps each
+    seed's inputs and reference, so a candidate's check costs its own run, not the CPU reference again; a wrong
+    candidate still fails it, with the seed and the config named."""
+    import tkjit.testing
+    from tkjit.tuning import tuner
+    from tkjit.tuning.worker import WorkerSetup, _Child
+
+    monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = tkjit.testing.reference_outputs
+
+    def counted(spec, full, inputs):
+        calls.append(full["num_tokens"])
+        return real(spec, full, inputs)
+
+    monkeypatch.setattr(tkjit.testing, "reference_outputs", counted)
+    child = _Child(WorkerSetup(arch="cpu", budget_s=0.005))
+    shape = {"num_tokens": 300, "n": 4, "repeat": 3, "eps": 1e-6}
+    spec = child.tkjit.get_spec("sinkhorn_fwd")
+    config = spec.default_config(spec.canonical_shape(shape), "cpu")
+    for seed in (11, 12, 11, 12, 11):
+        reply = child.bench({"kernel": "sinkhorn_fwd", "shape": shape, "config": config, "arch": "cpu", "seed": seed})
+        assert reply["ok"], reply
+    assert len(calls) == 3  # the study's timing inputs once, then once per seed
+    assert tuner.CHECK_SEEDS >= 2
+
+    def wrong(spec, full, inputs):  # a reference the kernel cannot match, for a seed not seen yet
+        return tuple(r + 1 for r in real(spec, full, inputs))
+
+    monkeypatch.setattr(tkjit.testing, "reference_outputs", wrong)
+    reply = child.bench({"kernel": "sinkhorn_fwd", "shape": shape, "config": config, "arch": "cpu", "seed": 13})
+    assert not reply["ok"] and reply["kind"] == "wrong" and "seed 13" in reply["error"], reply

@@ -38,6 +38,7 @@ log = logging.getLogger("tkjit.tuning")
 EVAL_FAILS = ("compile", "wrong", "crash", "timeout", "error")  # a measured config that failed
 EXHAUSTIVE_MAX = 64
 EARLY_STOP = 1.5  # a config whose first timed runs are this much slower than the best so far stops early
+CHECK_SEEDS = 4  # seeds of the candidates' correctness check a study draws (the worker keeps their references)
 _LIVE_OWNERS: set[str] = set()  # tuners running in this process (their RUNNING trials are not stale)
 
 
@@ -488,6 +489,7 @@ class _Study:
         self.progress = opts.progress
         self.warm = opts.warm
         self.rng = random.Random(opts.seed)
+        self.check_seeds = [self.rng.randrange(1 << 31) for _ in range(CHECK_SEEDS)]
         from tkjit.tuning_db import versions
 
         self.versions = versions(arch)
@@ -740,7 +742,7 @@ class _Study:
                 self._tell_fail(trial, "compile", err)
                 log.info("%s %s: compile failed: %s", self.spec.name, cid, err)
             else:
-                seed = self.rng.randrange(1 << 31)
+                seed = self.check_seeds[self.new % CHECK_SEEDS]  # (the worker keeps each seed's reference)
                 best = self._best_us()
                 # Clearly slower than the best so far (EARLY_STOP x): a few runs say so, the full budget
                 # would not change the ranking. Finalists are re-timed in full at the end anyway.
