@@ -514,6 +514,8 @@ def test_shared_factors(cache_dir, name, round_scale):
         assert (src.count("__syncthreads") >= 2) == (factors != "thread")
         if factors == "channel":
             assert "if (((int)threadIdx.x) < 64) {" in src  # 16 channel threads x 4 channels: a channel a thread
+            # bf16 staged tiles keep their running maxima on packed pairs (per_channel_cast_fused stages FP8)
+            assert ("tl::max2" in src) == (name != "per_channel_cast_fused")
         usage = ptxas_usage(k.path / "kernel.cu")
         assert usage["registers"] <= 65536 // hint and usage["spill"] == 0, (factors, usage)
     assert divs["shared"] <= divs["thread"] and divs["channel"] <= divs["thread"]

@@ -214,7 +214,8 @@ def block_fold(vec: int, tok_threads: int, scale_and_inv: Callable, round_scale:
                 makes its scale and factor and passes both through shared memory (a second barrier): the other
                 threads fold nothing. Every thread of "thread" folds tok_threads x vec maxima and divides vec times,
                 which at 16 rows x 4 channels is 64 shared-memory maxima and 4-8 divisions a thread, against 32
-                elements' SwiGLU: TileKernels' SwiGLU cast folds this way."""
+                elements' SwiGLU: TileKernels' SwiGLU cast folds this way. With it, per_channel_cast's bf16 staged
+                tile also keeps its running maxima on packed pairs, as TileKernels does (per_channel_cast.py)."""
     from tilelang import language as T
 
     scale_of, inv_of = unrounded_scale(T, max_value=FP8_MAX)

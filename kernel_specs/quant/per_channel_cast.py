@@ -201,14 +201,34 @@ def _build_smem(shape, c, prologue: Prologue | None):
         def load(xv, x, b, row, col):
             make(xv, 0, x, b, row, col)
 
+    # factors="channel" on bf16 (TileKernels' SwiGLU cast's way): the running maxima on pairs of bf16 (one packed
+    # max of two absolute values a pair; the max of exact values is exact in either width, and a NaN is dropped
+    # by both, as by the float max), widened once at the end, instead of a widening and a float max an element.
+    packed = c.get("factors") == "channel" and in_dtype == "bfloat16"
+
     @T.macro
     def stage(x, tile, amax, xv, b, row0, cc, col):
-        for j in T.unroll(tpt):
-            load(xv, x, b, row0 + j, col)
-            for v in T.vectorized(vec):
-                tile[row0 + j, cc + v] = xv[v]
+        if packed:
+            pairs = T.alloc_local((vec // 2,), T.bfloat16x2)
+            for j in T.unroll(tpt):
+                load(xv, x, b, row0 + j, col)
+                for v in T.vectorized(vec):
+                    tile[row0 + j, cc + v] = xv[v]
+                for h in T.unroll(vec // 2):
+                    if j == 0:
+                        pairs[h] = T.abs2(T.bfloat16x2(xv[2 * h], xv[2 * h + 1]))
+                    else:
+                        pairs[h] = T.max2(T.abs2(T.bfloat16x2(xv[2 * h], xv[2 * h + 1])), pairs[h])
+            halves = T.view(pairs, (vec,), T.bfloat16)
             for v in T.unroll(vec):
-                amax[v] = T.max(amax[v], T.abs(T.cast(xv[v], f32)))
+                amax[v] = T.max(amax[v], T.cast(halves[v], f32))
+        else:
+            for j in T.unroll(tpt):
+                load(xv, x, b, row0 + j, col)
+                for v in T.vectorized(vec):
+                    tile[row0 + j, cc + v] = xv[v]
+                for v in T.unroll(vec):
+                    amax[v] = T.max(amax[v], T.abs(T.cast(xv[v], f32)))
 
     @T.macro
     def store(out, scales, tile, xv, sf, inv, b, tr, row0, cc, col):
