@@ -119,7 +119,8 @@ def test_spec_validates(spec):
     for ex in spec.examples:
         full = spec.canonical_shape(ex)
         assert spec.default_config(full, "sm_90a") in spec.configs(full, "sm_90a")
-    assert mod.default({"num_experts": 256}) == {"threads": 256, "blocks": 132, "count": "match", "reduce": "loop"}
+    assert mod.default({"num_experts": 256}) == {"threads": 256, "blocks": 132, "count": "match", "reduce": "loop",
+                                                 "pad": "after"}
 
 
 @pytest.mark.parametrize("e", [1, 2, 72, 255, 256, 257, 512, 1000, 1024])
@@ -140,13 +141,13 @@ def test_bad_shapes_and_configs(spec):
         spec.canonical_shape(_shape(4, 0, 16, 1, 64))
     full = spec.canonical_shape(_shape(8, 8, 512, 64))
     with pytest.raises(ConfigError, match="threads=256 < num_experts=512"):
-        spec.check_config(full, {"threads": 256, "blocks": 66, "count": "match", "reduce": "loop"})
+        spec.check_config(full, {"threads": 256, "blocks": 66, "count": "match", "reduce": "loop", "pad": "after"})
     with pytest.raises(ConfigError, match="CUDA targets only"):
         spec.check_config(full, spec.default_config(full), "cpu")
     with pytest.raises(ConfigError, match="not in the space"):
-        spec.check_config(full, {"threads": 512, "blocks": 264, "count": "match", "reduce": "loop"})
+        spec.check_config(full, {"threads": 512, "blocks": 264, "count": "match", "reduce": "loop", "pad": "after"})
     assert all(c["threads"] >= 512 for c in spec.configs(full, "sm_90a"))
-    assert len(spec.configs(spec.canonical_shape(_shape(8, 8, 256, 64)), "sm_90a")) == 90  # 15 grids x 2 x 3
+    assert len(spec.configs(spec.canonical_shape(_shape(8, 8, 256, 64)), "sm_90a")) == 180  # 15 grids x 2 x 3 x 2
 
 
 # -- the reference -----------------------------------------------------------------------------------

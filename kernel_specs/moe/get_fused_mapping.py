@@ -41,13 +41,16 @@ global warp order = flat order:
      equal-expert lanes below it (match_any + popcount); the group's lowest lane advances the base;
   5. padding positions ([start + count, end) of each expert, block b taking experts b, b + grid, ...)
      and the tail [expert_end[-1], num_expanded_tokens) get -1. Every position is written once, by
-     exactly one thread, so nothing is filled first.
+     exactly one thread, so nothing is filled first (`pad`="after"). `pad`="before" (TileKernels' way)
+     instead fills every position with -1 while step 1 counts (its stores overlap the loads' wait) and
+     lets the scatter overwrite the entries' positions: the grid barrier orders the fill before every
+     scatter store, and the kernel ends after the scatter, with no step 5.
 `block_counts` (WS_ROWS, num_experts) int32 is an in-place workspace input (its content on entry is
 ignored; rows below the grid size, and for "columns" rows MAX_BLOCKS + b, are overwritten): the op passes
 torch.empty. ("columns" writes its prefixes to rows no block has read in this launch, so no SM can hold
 a stale copy of them in its L1 after the barrier.)
 Tunables: threads (>= num_experts: one thread per expert in steps 3-5), blocks (the grid cap), count
-(how step 1 counts), reduce (how step 3 sums the blocks' counts).
+(how step 1 counts), reduce (how step 3 sums the blocks' counts), pad (when padding gets its -1).
 CUDA only (warp match/shuffle and the grid barrier).
 """
 
@@ -84,7 +87,7 @@ def default(shape):
     # One block per SM of an H100/H200 (132); 1024-thread blocks holding 128 KB of counts get half
     # that, so the cooperative launch also fits GPUs with fewer SMs (H100 PCIe: 114).
     blocks = 132 if threads <= 512 else 66
-    return {"threads": threads, "blocks": blocks, "count": "match", "reduce": "loop"}
+    return {"threads": threads, "blocks": blocks, "count": "match", "reduce": "loop", "pad": "after"}
 
 
 def constraint(shape, c):
@@ -131,7 +134,7 @@ def build(shape, c):
     from tilelang import language as T
 
     E, K, A = shape["num_experts"], shape["num_topk"], shape["alignment"]
-    threads, blocks, count, reduce = c["threads"], c["blocks"], c["count"], c["reduce"]
+    threads, blocks, count, reduce, pad = c["threads"], c["blocks"], c["count"], c["reduce"], c["pad"]
     NC = -(-blocks // 32)  # "columns": chunks of 32 blocks a lane scans
     W = threads // 32
     num_tokens = T.dynamic("num_tokens")
@@ -199,6 +202,12 @@ def build(shape, c):
             for j in T.serial(lane, E, 32):
                 cnt[w, j] = 0
             T.sync_warp()
+            if pad == "before":  # every position -1 now; the scatter, after the grid barrier, overwrites the entries'
+                for j in T.serial(T.ceildiv(T.max(nexp - bx * threads - tx, 0), nb * threads)):
+                    p = bx * threads + tx + j * (nb * threads)
+                    pos_to_expert[p] = -1
+                    pos_to_token[p] = -1
+                    pos_to_token_topk[p] = -1
             # 1. Count. "match": the lowest lane of each equal-expert group adds the group's size (rows are
             # per warp and groups are distinct experts, so plain adds do not race). "atomic": each lane adds 1
             # with a shared-memory atomic (no warp vote; lanes of one expert serialise on its word).
@@ -314,7 +323,7 @@ def build(shape, c):
                 T.sync_warp()
 
             # 5. Padding of each expert (block b: experts b, b + nb, ...), then the tail.
-            if A > 1:
+            if A > 1 and pad == "after":
                 for j in T.serial(T.ceildiv(T.max(E - bx, 0), nb)):
                     e = bx + j * nb
                     lo = base_s[e] + tot_s[e]
@@ -323,11 +332,12 @@ def build(shape, c):
                         pos_to_expert[p] = -1
                         pos_to_token[p] = -1
                         pos_to_token_topk[p] = -1
-            for j in T.serial(T.ceildiv(T.max(nexp - layout_end - bx * threads - tx, 0), nb * threads)):
-                p = layout_end + bx * threads + tx + j * (nb * threads)
-                pos_to_expert[p] = -1
-                pos_to_token[p] = -1
-                pos_to_token_topk[p] = -1
+            if pad == "after":
+                for j in T.serial(T.ceildiv(T.max(nexp - layout_end - bx * threads - tx, 0), nb * threads)):
+                    p = layout_end + bx * threads + tx + j * (nb * threads)
+                    pos_to_expert[p] = -1
+                    pos_to_token[p] = -1
+                    pos_to_token_topk[p] = -1
 
     return get_fused_mapping
 
@@ -418,7 +428,7 @@ SPEC = register(
             Static("alignment", lo=1, hi=MAX_ALIGNMENT, default=128, doc="each expert's segment length multiple"),
         ),
         space={"threads": (128, 256, 512, 1024), "blocks": (8, 16, 33, 66, 132), "count": ("match", "atomic"),
-               "reduce": ("loop", "unroll", "columns")},
+               "reduce": ("loop", "unroll", "columns"), "pad": ("after", "before")},
         default=default,
         constraint=constraint,
         arch_constraint=arch_constraint,
