@@ -16,7 +16,7 @@ GFM_FULL = GFM.canonical_shape(
     {"num_tokens": 8192, "num_expanded_tokens": 131072, "num_topk": 8, "num_experts": 256, "alignment": 64})
 GC = get_spec("group_count")
 GC_FULL = GC.canonical_shape({"num_tokens": 65536, "num_topk": 8, "num_groups": 256})
-WIDE = {"threads": 1024, "blocks": 132, "count": "match"}  # one 1024-thread block on each of an H200's 132 SMs
+WIDE = {"threads": 1024, "blocks": 132, "count": "match", "reduce": "loop", "pad": "after"}  # 1024 threads x 132 SMs
 
 
 @pytest.fixture
