@@ -110,3 +110,18 @@ def test_tuning_on_a_smaller_gpu_measures_only_what_it_can_launch(user_db):
     assert set(ev.benched) == {config_id(c) for c in fits} and len(fits) < len(GC.configs(GC_FULL, "sm_90a"))
     assert ev.benched[0] == config_id({**GC.default_config(GC_FULL, "sm_90a"), "blocks": 132})  # the served default
     assert r.config["blocks"] * r.config["threads"] <= 20 * 1024
+
+
+def test_a_config_tuned_before_tunables_were_added_is_still_served(user_db):
+    """An entry written before the space gained tunables (`KernelSpec.added`: get_fused_mapping's count, reduce,
+    pad) is served with their values of before, not dropped for the default; one with a key the space never had
+    is still refused (a warning, the default)."""
+    old = {"threads": 1024, "blocks": 66}
+    tuned(user_db, old)
+    cfg, source = tuning_db.choose_config(GFM, GFM_FULL, "sm_90a", None)
+    assert source == "tuned:user" and cfg == {**old, "count": "match", "reduce": "loop", "pad": "after"}
+    assert tuning_db.neighbour_configs(GFM, GFM_FULL, "sm_90a")[0] == cfg
+    tuned(user_db, {**old, "warps": 4})
+    tuning_db.clear_memo()
+    with pytest.warns(UserWarning, match="ignoring tuned config"):
+        assert tuning_db.choose_config(GFM, GFM_FULL, "sm_90a", None)[1] == "default"

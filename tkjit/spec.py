@@ -320,6 +320,10 @@ class KernelSpec:
     # Config overrides that make the kernel IEEE-exact where its fast configs are not (fast math, reciprocals):
     # TKJIT_EXACT_MATH=1 serves the chosen config with these applied. Empty: the kernel is always exact.
     exact: Mapping[str, Any] = field(default_factory=dict)
+    # Tunables added to the space after configs were tuned, each with the value that builds the kernel as it was
+    # before it: a tuned entry written without them (a user's DB, a winners file) is served with these filled in,
+    # not dropped for the default.
+    added: Mapping[str, Any] = field(default_factory=dict)
     # The reference runs where the inputs are, not on CPU copies: its result depends on the device's maths
     # library (torch's CUDA expf and its CPU exp differ in the last bit), and the kernel matches the device's.
     # Such a reference gets the caller's tensors themselves: it must not write into them.
@@ -575,6 +579,9 @@ def validate(spec: KernelSpec) -> None:
     for k, v in spec.exact.items():
         if k not in spec.space or v not in spec.space[k]:
             raise SpecError(f"{spec.name}: exact override {k}={v!r} is not a candidate of the space")
+    for k, v in spec.added.items():
+        if k not in spec.space or v not in spec.space[k]:
+            raise SpecError(f"{spec.name}: added tunable {k}={v!r} is not a candidate of the space")
     arg_names = [t.name for t in (*spec.inputs, *spec.outputs)] + [s.name for s in spec.scalars]
     # Every variant returns something: an optional inout input is returned only by the variants taking it.
     returned = spec.outputs or [t for t in spec.inputs if t.inout and t.optional is None]

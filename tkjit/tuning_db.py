@@ -470,7 +470,8 @@ def neighbour_configs(spec: KernelSpec, shape: dict[str, Any], arch: str, limit:
                     continue
                 differ = sum(1 for k in set(static) | set(e["shape"]) if static.get(k) != e["shape"].get(k))
                 dist = _distance(e["bucket"], bucket)
-                ranked.append(((differ, math.inf if dist is None else dist, other_gpu, src_rank), e["config"]))
+                ranked.append(((differ, math.inf if dist is None else dist, other_gpu, src_rank),
+                               with_added(spec, e["config"])))
     ranked.sort(key=lambda r: r[0])
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -505,7 +506,7 @@ def choose_config(
     found = lookup(spec, full, arch)
     if found is not None:
         try:
-            cfg, source = spec.check_config(full, found[0], arch), found[1]
+            cfg, source = spec.check_config(full, with_added(spec, found[0]), arch), found[1]
         except ConfigError as e:  # a DB written for an older space: say so, serve the default
             warnings.warn(f"tkjit: ignoring tuned config from {found[1]}: {e}", stacklevel=3)
         reason = cfg and device and spec.device_constraint(full, cfg, device)
@@ -520,6 +521,12 @@ def choose_config(
     if exact and any(cfg.get(k) != v for k, v in spec.exact.items()):
         return _exact_config(spec, full, arch, cfg), f"{source}+exact"
     return cfg, source
+
+
+def with_added(spec: KernelSpec, config: Mapping[str, Any]) -> dict[str, Any]:
+    """A tuned config with the tunables the space gained since it was written (`KernelSpec.added`) filled in
+    with their values of before; a config that has them, or lacks others, is left as it is."""
+    return {**{k: v for k, v in spec.added.items() if k not in config}, **config}
 
 
 def _device_of(spec: KernelSpec, arch: str) -> dict[str, int] | None:

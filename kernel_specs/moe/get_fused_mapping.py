@@ -430,6 +430,7 @@ SPEC = register(
         space={"threads": (128, 256, 512, 1024), "blocks": (8, 16, 33, 66, 132), "count": ("match", "atomic"),
                "reduce": ("loop", "unroll", "columns"), "pad": ("after", "before")},
         default=default,
+        added={"count": "match", "reduce": "loop", "pad": "after"},  # configs tuned before these were tunables
         constraint=constraint,
         arch_constraint=arch_constraint,
         device_constraint=device_constraint,
