@@ -94,16 +94,19 @@ def run_against_reference(
 
 
 def check(
-    kernel: CompiledKernel, shape: dict[str, Any], *, device: str | torch.device = "cuda", seed: int = 0
+    kernel: CompiledKernel, shape: dict[str, Any], *, device: str | torch.device = "cuda", seed: int = 0,
+    data: tuple[Sequence[Any], Sequence[Any]] | None = None,
 ) -> str | None:
     """Run `kernel` at `shape` (full: static + runtime) on fresh random inputs against the spec's reference.
 
-    Returns None when every output matches, else the first mismatch as a message.
+    data: the inputs drawn at `seed` and their reference outputs, when the caller keeps them (the tuner's
+    worker: one draw a seed checks many candidates). Returns None when every output matches, else the first
+    mismatch as a message.
     """
     spec = kernel.spec
     full = spec.canonical_shape(shape)
-    inputs = spec.make_inputs(full, device=device, seed=seed)
-    _, problem = run_against_reference(kernel, full, inputs, device=device)
+    inputs, refs = data if data is not None else (spec.make_inputs(full, device=device, seed=seed), None)
+    _, problem = run_against_reference(kernel, full, inputs, refs=refs, device=device)
     if problem:
         runtime = {p.name: full[p.name] for p in spec.runtime_params}
         return f"{spec.name} {kernel.config} at {runtime}: {problem}"

@@ -90,30 +90,28 @@ class _Child:
         return k
 
     def _study_data(self, spec, full: dict):
-        from tkjit.testing import reference_outputs
-
         sid = canonical_json([spec.name, full], default=str)
         if self._study is None or self._study[0] != sid:
             self._study = None  # free the previous study's tensors first
-            inputs = spec.make_inputs(full, device=self.device, seed=STUDY_SEED)
-            # Computed once (on the CPU, as every reference), kept on the device: each candidate's gate then
-            # compares there (tkjit.testing.run_against_reference) instead of copying its outputs back.
-            refs = tuple(r.to(self.device) if hasattr(r, "to") else r for r in reference_outputs(spec, full, inputs))
-            self._study = (sid, (inputs, refs))
+            self._study = (sid, self._drawn(spec, full, STUDY_SEED))
         return self._study[1]
 
     def _check_data(self, spec, small: dict, seed: int):
-        """The check's inputs at seed and their reference (computed once a seed, on the CPU, kept on the device;
-        run_against_reference runs in-place kernels on copies, so the inputs stay as drawn)."""
-        from tkjit.testing import reference_outputs
-
+        """The check's inputs at seed and their reference, drawn once a seed (run_against_reference runs in-place
+        kernels on copies, so the inputs stay as drawn)."""
         key = canonical_json([spec.name, small, seed], default=str)
         got = self._checks.get(key)
-        if got is None:
-            inputs = spec.make_inputs(small, device=self.device, seed=seed)
-            refs = tuple(r.to(self.device) if hasattr(r, "to") else r for r in reference_outputs(spec, small, inputs))
-            got = self._checks.remember(key, (inputs, refs))
-        return got
+        return got if got is not None else self._checks.remember(key, self._drawn(spec, small, seed))
+
+    def _drawn(self, spec, shape: dict, seed: int):
+        """(inputs at seed, their reference outputs): computed on the CPU, as every reference, and kept on the
+        device, where each candidate's outputs are then compared (tkjit.testing.run_against_reference) instead of
+        being copied back."""
+        from tkjit.testing import reference_outputs
+
+        inputs = spec.make_inputs(shape, device=self.device, seed=seed)
+        refs = tuple(r.to(self.device) if hasattr(r, "to") else r for r in reference_outputs(spec, shape, inputs))
+        return inputs, refs
 
     def _check_shape(self, spec, full: dict) -> dict:
         """The fresh-seed check's shape: runtime dims shrunk until the inputs hold <= check_cap
@@ -154,7 +152,7 @@ class _Child:
                  phases: dict[str, float] | None = None):
         """Load and gate a candidate; returns (run closure, None) or (None, failure reply). phases: seconds
         each step took (load, check, gate) are added to it, so a study shows where its time went."""
-        from tkjit.testing import run_against_reference
+        from tkjit.testing import check, run_against_reference
 
         phases = {} if phases is None else phases
         t = time.perf_counter()
@@ -163,13 +161,10 @@ class _Child:
         phases["load_s"], t = time.perf_counter() - t, time.perf_counter()
         if seed is not None:
             small = self._check_shape(spec, full)
-            c_inputs, c_refs = self._check_data(spec, small, seed)
-            _, msg = run_against_reference(k, small, c_inputs, refs=c_refs, device=self.device)
+            msg = check(k, small, device=self.device, seed=seed, data=self._check_data(spec, small, seed))
             phases["check_s"], t = time.perf_counter() - t, time.perf_counter()
             if msg:
-                runtime = {p.name: small[p.name] for p in spec.runtime_params}
-                return None, {"ok": False, "kind": "wrong",
-                              "error": f"fresh inputs (seed {seed}): {name} {config} at {runtime}: {msg}"}
+                return None, {"ok": False, "kind": "wrong", "error": f"fresh inputs (seed {seed}): {msg}"}
         inputs, refs = self._study_data(spec, full)
         # The outputs stay: the timed runs write into them again.
         outs, problem = run_against_reference(k, full, inputs, refs=refs, device=self.device)
