@@ -386,13 +386,14 @@ def _distance(a: Mapping[str, int], b: Mapping[str, int]) -> float | None:
 
 
 def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str, Any], str] | None:
-    """(config, source label) from the tuned DBs for this full shape, or None.
+    """(config, source label) from the tuned DBs for this full shape, or None. The config has the tunables the
+    space gained since the entry was written filled in (`with_added`).
 
     A DB file that cannot be used is skipped with one warning (see the module doc): serving never fails
     because of one.
     """
     found = find_tuned(spec, shape, arch)
-    return None if found is None else (dict(found.entry["config"]), found.source)
+    return None if found is None else (with_added(spec, found.entry["config"]), found.source)
 
 
 class Found(NamedTuple):
@@ -506,7 +507,7 @@ def choose_config(
     found = lookup(spec, full, arch)
     if found is not None:
         try:
-            cfg, source = spec.check_config(full, with_added(spec, found[0]), arch), found[1]
+            cfg, source = spec.check_config(full, found[0], arch), found[1]
         except ConfigError as e:  # a DB written for an older space: say so, serve the default
             warnings.warn(f"tkjit: ignoring tuned config from {found[1]}: {e}", stacklevel=3)
         reason = cfg and device and spec.device_constraint(full, cfg, device)
