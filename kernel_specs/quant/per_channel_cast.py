@@ -210,25 +210,23 @@ def _build_smem(shape, c, prologue: Prologue | None):
     def stage(x, tile, amax, xv, b, row0, cc, col):
         if packed:
             pairs = T.alloc_local((vec // 2,), T.bfloat16x2)
-            for j in T.unroll(tpt):
-                load(xv, x, b, row0 + j, col)
-                for v in T.vectorized(vec):
-                    tile[row0 + j, cc + v] = xv[v]
+        for j in T.unroll(tpt):
+            load(xv, x, b, row0 + j, col)
+            for v in T.vectorized(vec):
+                tile[row0 + j, cc + v] = xv[v]
+            if packed:
                 for h in T.unroll(vec // 2):
                     if j == 0:
                         pairs[h] = T.abs2(T.bfloat16x2(xv[2 * h], xv[2 * h + 1]))
                     else:
                         pairs[h] = T.max2(T.abs2(T.bfloat16x2(xv[2 * h], xv[2 * h + 1])), pairs[h])
+            else:
+                for v in T.unroll(vec):
+                    amax[v] = T.max(amax[v], T.abs(T.cast(xv[v], f32)))
+        if packed:
             halves = T.view(pairs, (vec,), T.bfloat16)
             for v in T.unroll(vec):
                 amax[v] = T.max(amax[v], T.cast(halves[v], f32))
-        else:
-            for j in T.unroll(tpt):
-                load(xv, x, b, row0 + j, col)
-                for v in T.vectorized(vec):
-                    tile[row0 + j, cc + v] = xv[v]
-                for v in T.unroll(vec):
-                    amax[v] = T.max(amax[v], T.abs(T.cast(xv[v], f32)))
 
     @T.macro
     def store(out, scales, tile, xv, sf, inv, b, tr, row0, cc, col):
