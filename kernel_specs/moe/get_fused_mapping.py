@@ -155,6 +155,12 @@ def build(shape, c):
             if (v[0] >= T.int64(0)) & (v[0] < T.int64(E)):
                 ex[0] = T.cast(v[0], i32)
 
+    @T.macro
+    def unused(pos_to_expert, pos_to_token, pos_to_token_topk, p):  # position p holds no entry
+        pos_to_expert[p] = -1
+        pos_to_token[p] = -1
+        pos_to_token_topk[p] = -1
+
     @T.prim_func
     def get_fused_mapping(
         topk_idx: T.Tensor[(num_tokens, K), i64],
@@ -204,10 +210,7 @@ def build(shape, c):
             T.sync_warp()
             if pad == "before":  # every position -1 now; the scatter, after the grid barrier, overwrites the entries'
                 for j in T.serial(T.ceildiv(T.max(nexp - bx * threads - tx, 0), nb * threads)):
-                    p = bx * threads + tx + j * (nb * threads)
-                    pos_to_expert[p] = -1
-                    pos_to_token[p] = -1
-                    pos_to_token_topk[p] = -1
+                    unused(pos_to_expert, pos_to_token, pos_to_token_topk, bx * threads + tx + j * (nb * threads))
             # 1. Count. "match": the lowest lane of each equal-expert group adds the group's size (rows are
             # per warp and groups are distinct experts, so plain adds do not race). "atomic": each lane adds 1
             # with a shared-memory atomic (no warp vote; lanes of one expert serialise on its word).
@@ -329,15 +332,11 @@ def build(shape, c):
                     lo = base_s[e] + tot_s[e]
                     hi = T.min(base_s[e] + aligned(tot_s[e]), nexp)
                     for p in T.serial(lo + tx, hi, threads):
-                        pos_to_expert[p] = -1
-                        pos_to_token[p] = -1
-                        pos_to_token_topk[p] = -1
+                        unused(pos_to_expert, pos_to_token, pos_to_token_topk, p)
             if pad == "after":
                 for j in T.serial(T.ceildiv(T.max(nexp - layout_end - bx * threads - tx, 0), nb * threads)):
                     p = layout_end + bx * threads + tx + j * (nb * threads)
-                    pos_to_expert[p] = -1
-                    pos_to_token[p] = -1
-                    pos_to_token_topk[p] = -1
+                    unused(pos_to_expert, pos_to_token, pos_to_token_topk, p)
 
     return get_fused_mapping
 
