@@ -125,3 +125,18 @@ def test_a_config_tuned_before_tunables_were_added_is_still_served(user_db):
     tuning_db.clear_memo()
     with pytest.warns(UserWarning, match="ignoring tuned config"):
         assert tuning_db.choose_config(GFM, GFM_FULL, "sm_90a", None)[1] == "default"
+
+
+def test_a_bundle_ships_the_tuned_entry_of_before_the_added_tunables(user_db, tmp_path):
+    """`tkjit bundle export` pairs an old entry with the binary `get` serves for it (its config with the added
+    tunables filled in), so the importing host serves that binary instead of compiling or falling back."""
+    from tkjit.bundle import _selecting_tuned
+    from tkjit.cache import Entry
+
+    old = {"threads": 1024, "blocks": 66}
+    tuned(user_db, old)
+    served = tuning_db.choose_config(GFM, GFM_FULL, "sm_90a", None)[0]
+    built = Entry("k" * 64, tmp_path, {"meta": {"kernel": "get_fused_mapping", "shape": GFM.static_shape(GFM_FULL),
+                                                "config": served}})
+    picked = _selecting_tuned("sm_90a", [built])
+    assert [t["config"] for t in picked] == [old]

@@ -45,7 +45,7 @@ from typing import IO, Any
 from tkjit import envs
 from tkjit.cache import KEY_FIELDS, MANIFEST, Cache, CorruptEntry, Entry, check_file_record, valid_key, verify_dir
 from tkjit.canon import canonical_json
-from tkjit.errors import BundleError, TkjitError, TuningDBError
+from tkjit.errors import BundleError, TkjitError, TuningDBError, UnknownKernelError
 from tkjit.fs import open_private
 from tkjit.key import PINNABLE
 
@@ -176,13 +176,18 @@ def _manifest_entries(
 def _selecting_tuned(arch: str, entries: Sequence[Entry]) -> list[dict[str, Any]]:
     """The tuned-DB entries (user's, then shipped, as lookup ranks them) whose config is one of the
     bundle's entries: on a host that imports them, tkjit.get picks exactly the shipped binaries."""
-    from tkjit.tuning_db import tuned_entries
+    from tkjit.registry import get_spec
+    from tkjit.tuning_db import tuned_entries, with_added
 
     have = {(e.meta["kernel"], canonical_json(e.meta["shape"]), canonical_json(e.meta["config"])) for e in entries}
     out: dict[tuple[str, str, str], dict[str, Any]] = {}
     for _label, _path, t in tuned_entries(arch):
+        try:  # an entry from before the space gained a tunable selects the binary built with its old value
+            config = with_added(get_spec(t["kernel"]), t["config"])
+        except UnknownKernelError:  # a kernel this install does not have: no binary of it to select
+            continue
         k = (t["kernel"], canonical_json(t["shape"]), canonical_json(t["bucket"]))
-        if k not in out and (t["kernel"], canonical_json(t["shape"]), canonical_json(t["config"])) in have:
+        if k not in out and (t["kernel"], canonical_json(t["shape"]), canonical_json(config)) in have:
             out[k] = t
     return [out[k] for k in sorted(out)]
 
