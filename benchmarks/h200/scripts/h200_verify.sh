@@ -27,7 +27,7 @@
 #   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
-#   ncu       # Nsight Compute, tkjit's kernel beside TileKernels' on one benchmark shape (scripts/ncu_pair.py): $NCU_JOBS,
+#   ncu       # Nsight Compute, tkjit's kernel beside TileKernels' on one benchmark shape (tools/ncu_profile.py): $NCU_JOBS,
 #             # "kernel:shape-index[:tkjit config JSON]" separated by ";" (default get_fused_mapping at 8192 tokens);
 #             # NCU_REGEX: the kernels' names when they are not the op's (a regex over both)
 #   fleet     # sinkhorn_fwd's 28-config study at 1M tokens: one worker from a cold cache (compiling), then one
@@ -289,11 +289,11 @@ ncu)
   { for job in "${jobs[@]}"; do
       IFS=':' read -r kern idx cfg <<< "$job"
       # TileKernels' generated CUDA, to read beside tkjit's (the cache's kernel.cu)
-      TK_PRINT_KERNEL_SOURCE=1 timeout 60 python benchmarks/h200/scripts/ncu_pair.py "$kern" --impl tk --launches 1 \
+      TK_PRINT_KERNEL_SOURCE=1 timeout 60 python tools/ncu_profile.py "$kern" --impl tk --launches 1 \
         --shape-index "$idx" > "$OUT/tk_source_${kern}_$idx.cu" 2>&1
       for impl in tk tkjit; do
         echo "=== $kern shape $idx $impl ${cfg}"
-        timeout 60 $NCU -k "regex:${NCU_REGEX:-$kern}" python benchmarks/h200/scripts/ncu_pair.py "$kern" --impl $impl \
+        timeout 60 $NCU -k "regex:${NCU_REGEX:-$kern}" python tools/ncu_profile.py "$kern" --impl $impl \
           --shape-index "$idx" ${cfg:+--config "$cfg"}
       done
     done; } > "$OUT/ncu.txt" 2>&1
