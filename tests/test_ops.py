@@ -29,6 +29,8 @@ def test_targets_that_cannot_lower_a_kernel_say_why(cache_dir):
 def test_torch_ops_keep_their_autograd_behaviour_on_the_lean_dispatch_path(cache_dir):
     # tkjit.torch_ops._lean_dispatch skips custom_op's Python layers when no gradient is needed; with one, the
     # op behaves as custom_op made it: a registered backward runs, an op without one refuses to backprop.
+    import tkjit.ops  # noqa: F401  (registers torch.ops.tkjit: this test alone must not rely on another's import)
+
     x = torch.randn(6, 4, 4, requires_grad=True)
     y = torch.ops.tkjit.sinkhorn_fwd(x)
     y.sum().backward()
@@ -47,7 +49,19 @@ def test_every_op_takes_the_lean_dispatch_on_this_torch():
     from tkjit import torch_ops
 
     assert len(torch_ops.OPS) >= 50
-    assert torch_ops.LEAN_OPS == {op._name for op in torch_ops.OPS}
+    assert torch_ops.LEAN_OPS == {op._name for op in torch_ops.OPS} and not torch_ops.LEAN_SKIPPED
+
+
+def test_an_op_kept_off_the_lean_dispatch_says_why(monkeypatch):
+    # a torch that names custom_op's internals otherwise keeps its own kernels; hostcost prints the reason
+    from types import SimpleNamespace
+
+    from tkjit import torch_ops
+
+    monkeypatch.setattr(torch_ops, "LEAN_SKIPPED", {})
+    torch_ops._lean_dispatch(SimpleNamespace(_name="renamed"))
+    assert list(torch_ops.LEAN_SKIPPED.values()) == ["renamed"]
+    assert next(iter(torch_ops.LEAN_SKIPPED)).startswith("AttributeError:")
 
 
 def test_repeat_calls_reuse_the_served_kernel_and_new_signatures_are_checked(cache_dir, monkeypatch):

@@ -2611,20 +2611,25 @@ mhc_pre_big_fuse.register_autograd(_big_fuse_backward, setup_context=_big_fuse_s
 
 
 LEAN_OPS: set[str] = set()  # the ops whose autograd kernel is the lean one (_lean_dispatch; tools/hostcost.py)
+LEAN_SKIPPED: dict[str, str] = {}  # why this torch keeps its own kernels, per reason: an op it happened to
 
 
-def _override(op, key: str, fn, with_keyset: bool = True) -> bool:
+def _override(op, key: str, fn, with_keyset: bool = True) -> RuntimeError | None:
     """Register fn as op's kernel for dispatch key `key` in place of custom_op's; where this torch refuses the
-    override, its own kernel stays (False)."""
+    override, its own kernel stays (the refusal is returned)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # (torch warns that a kernel is overridden)
         try:
             op._lib.impl(op._name, fn, key, with_keyset=with_keyset)
-        except RuntimeError:
-            return False
-    return True
+        except RuntimeError as e:
+            return e
+    return None
+
+
+def _skipped(op, e: BaseException) -> None:
+    LEAN_SKIPPED.setdefault(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", op._name)
 
 
 def _version_bump(op) -> None:
@@ -2669,16 +2674,16 @@ def _lean_dispatch(op) -> None:
 
     try:
         from torch._library.autograd import make_autograd_impl
-    except ImportError:
-        return
+    except ImportError as e:
+        return _skipped(op, e)
     try:
         overload, fns, impl = op._opoverload, op._backend_fns, op._init_fn
         redispatch = overload._handle.redispatch_boxed
         below, needs_grad, grad_on = _C._after_autograd_keyset, _C._any_requires_grad, _C.is_grad_enabled
         below_autograd = _C._AutoDispatchBelowAutograd
         needs_grad(torch.empty(0), keyword_only=None)  # (as the kernel calls it: keyword arguments too)
-    except (AttributeError, TypeError):
-        return
+    except (AttributeError, TypeError) as e:
+        return _skipped(op, e)
     with_grad = []  # torch's autograd kernel, made at the first call that needs it (~0.3 ms an op)
 
     def autograd(keyset, *args, **kwargs):
@@ -2689,8 +2694,11 @@ def _lean_dispatch(op) -> None:
         with below_autograd():
             return redispatch(keyset & below, *args, **kwargs)
 
-    if _override(op, "Autograd", autograd):
+    refused = _override(op, "Autograd", autograd)
+    if refused is None:
         LEAN_OPS.add(op._name)
+    else:
+        _skipped(op, refused)
     if list(fns) == [None] and impl is not None and not overload._schema.is_mutable:
         _override(op, "CompositeExplicitAutograd", impl, with_keyset=False)
 

@@ -183,6 +183,8 @@ def main() -> None:
     ref = out["torch.topk"]
     print(f"CUDA launcher: {envs.launcher()} (TKJIT_LAUNCHER); torch {torch.__version__}, lean dispatch for "
           f"{len(torch_ops.LEAN_OPS)} of {len(torch_ops.OPS)} torch.ops.tkjit ops")
+    for why, op in torch_ops.LEAN_SKIPPED.items():
+        print(f"  not lean here ({op} and others alike): {why}")
     print(f"{'call':48s} {'us/call':>8s} {'x torch.topk':>13s}")
     for name, us in out.items():
         print(f"{name:48s} {us:8.2f} {us / ref:13.2f}")
