@@ -30,6 +30,8 @@
 #   ncu       # Nsight Compute, tkjit's kernel beside TileKernels' on one benchmark shape (tools/ncu_profile.py): $NCU_JOBS,
 #             # "kernel:shape-index[:tkjit config JSON]" separated by ";" (default get_fused_mapping at 8192 tokens);
 #             # NCU_REGEX: the kernels' names when they are not the op's (a regex over both)
+#   layer     # an mHC sublayer's pre + post end to end (train fwd, fwd+bwd, inference), tkjit beside TileKernels,
+#             # torch.compile and eager (tools/bench_mhc_layer.py; LAYER_ARGS, e.g. "--tokens 4096 --hidden 4096")
 #   fleet     # sinkhorn_fwd's 28-config study at 1M tokens: one worker from a cold cache (compiling), then one
 #             # worker and two workers sharing the study through SQLite on the one GPU (wall time; each config
 #             # measured once)
@@ -298,6 +300,11 @@ ncu)
       done
     done; } > "$OUT/ncu.txt" 2>&1
   grep -E "^===|: tkjit|: TileKernels|Duration|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Achieved Occ|Warp Cycles Per Issued|Executed Ipc A" "$OUT/ncu.txt"
+  ;;
+layer)
+  timeout "${LAYER_TIMEOUT:-240}" python tools/bench_mhc_layer.py $LAYER_ARGS --json "$OUT/mhc_layer.json" \
+    > "$OUT/mhc_layer.txt" 2>&1; echo "rc=$?" >> "$OUT/mhc_layer.txt"
+  tail -n 12 "$OUT/mhc_layer.txt"
   ;;
 fleet)
   # a fresh cache: the first study compiles every config it measures (the whole-study figure of a cold start)
