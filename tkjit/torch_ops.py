@@ -2632,6 +2632,11 @@ def _skipped(op, e: BaseException) -> None:
     LEAN_SKIPPED.setdefault(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", op._name)
 
 
+def _redispatcher(overload) -> Callable:
+    """overload.redispatch without its Python frame where this torch's handle has it (redispatch_boxed)."""
+    return getattr(getattr(overload, "_handle", None), "redispatch_boxed", None) or overload.redispatch
+
+
 def _version_bump(op) -> None:
     """The version bump of an op that mutates an argument, so a call that leaves out a mutable argument with a
     default (`Tensor(a!)? x=None`: top2_sum_gate, swiglu_forward_and_per_token_cast) works. torch before 2.12
@@ -2646,7 +2651,7 @@ def _version_bump(op) -> None:
         if not schema.is_mutable or schema._is_view_op():
             return
         idxs, keys = utils.mutated_args_kwargs(schema)
-        redispatch, after = overload._handle.redispatch_boxed, torch._C._after_ADInplaceOrView_keyset
+        redispatch, after = _redispatcher(overload), torch._C._after_ADInplaceOrView_keyset
         bump = torch.autograd.graph.increment_version
     except AttributeError:
         return
@@ -2678,16 +2683,16 @@ def _lean_dispatch(op) -> None:
         return _skipped(op, e)
     try:
         overload, fns, impl = op._opoverload, op._backend_fns, op._init_fn
-        redispatch = overload._handle.redispatch_boxed
+        redispatch = _redispatcher(overload)
         below, needs_grad, grad_on = _C._after_autograd_keyset, _C._any_requires_grad, _C.is_grad_enabled
         below_autograd = _C._AutoDispatchBelowAutograd
-        needs_grad(torch.empty(0), keyword_only=None)  # (as the kernel calls it: keyword arguments too)
+        needs_grad(torch.empty(0), None)  # (positionally: a torch whose check takes no keywords takes these)
     except (AttributeError, TypeError) as e:
         return _skipped(op, e)
     with_grad = []  # torch's autograd kernel, made at the first call that needs it (~0.3 ms an op)
 
     def autograd(keyset, *args, **kwargs):
-        if grad_on() and needs_grad(*args, **kwargs):
+        if grad_on() and needs_grad(*args, *kwargs.values()):
             if not with_grad:
                 with_grad.append(make_autograd_impl(overload, op))
             return with_grad[0](keyset, *args, **kwargs)
