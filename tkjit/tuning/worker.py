@@ -22,6 +22,7 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -252,8 +253,10 @@ def _main(conn, setup: WorkerSetup, parent: int) -> None:
         except (EOFError, OSError):
             return
         op = job.get("op")
-        if op == "exit":
-            return
+        if op == "exit":  # nothing left to do: skip the interpreter's teardown (torch, CUDA: ~0.5 s)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         try:
             if op == "bench":
                 reply = child.bench(job)
