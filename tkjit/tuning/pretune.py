@@ -185,7 +185,7 @@ def start_evaluator(opts: PretuneOptions) -> Any:
     from tkjit.tuning.worker import AUTO_ARCH
 
     ev = LocalEvaluator(_given_arch(opts) or AUTO_ARCH, jobs=opts.jobs, timer=opts.timer, imports=opts.imports,
-                        timeout_s=opts.timeout_s, budget_s=opts.bench_budget_s)
+                        timeout_s=opts.timeout_s, budget_s=opts.bench_budget_s, copy_at_start=True)
     ev.worker.spawn()
     return ev
 

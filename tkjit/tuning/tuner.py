@@ -72,6 +72,7 @@ class LocalEvaluator:
         timeout_s: float = 60.0,
         budget_s: float | None = None,
         retime_rounds: int = 5,
+        copy_at_start: bool = False,
     ) -> None:
         import importlib
 
@@ -80,7 +81,8 @@ class LocalEvaluator:
 
         for m in imports:  # the parent needs the specs too (registration, constraints)
             importlib.import_module(m)
-        setup = WorkerSetup(arch=arch, timer=timer, timer_kwargs=dict(timer_kwargs or {}), imports=tuple(imports))
+        setup = WorkerSetup(arch=arch, timer=timer, timer_kwargs=dict(timer_kwargs or {}), imports=tuple(imports),
+                            copy_at_start=copy_at_start)
         if budget_s is not None:
             setup.budget_s = budget_s
         self.arch = arch
