@@ -119,7 +119,7 @@ def test_spec_validates(spec):
     for ex in spec.examples:
         full = spec.canonical_shape(ex)
         assert spec.default_config(full, "sm_90a") in spec.configs(full, "sm_90a")
-    assert mod.default({"num_experts": 256}) == {"threads": 256, "blocks": 132, "count": "match", "reduce": "loop",
+    assert mod.default({"num_experts": 256}) == {"threads": 512, "blocks": 132, "count": "match", "reduce": "unroll",
                                                  "pad": "after"}
 
 

@@ -83,11 +83,14 @@ def upper_bound(num_tokens: int, num_topk: int, num_experts: int, alignment: int
 
 def default(shape):
     e = shape["num_experts"]
-    threads = max(256, _pow2_ceil(e))
+    # 512 threads and the unrolled reduction: the fastest of the 36 configs swept at 8192 tokens (256 experts,
+    # alignment 128) on an H100, 10.8 us against 12.4 for 256 threads and the rolled loop (the default before);
+    # the studies at 4096-65536 tokens tuned to 512-1024 threads, three of four to "unroll".
+    threads = max(512, _pow2_ceil(e))
     # One block per SM of an H100/H200 (132); 1024-thread blocks holding 128 KB of counts get half
     # that, so the cooperative launch also fits GPUs with fewer SMs (H100 PCIe: 114).
     blocks = 132 if threads <= 512 else 66
-    return {"threads": threads, "blocks": blocks, "count": "match", "reduce": "loop", "pad": "after"}
+    return {"threads": threads, "blocks": blocks, "count": "match", "reduce": "unroll", "pad": "after"}
 
 
 def constraint(shape, c):
