@@ -1,6 +1,7 @@
 """Compile many variants in parallel: a pool of spawned processes that import TileLang once.
 
-Each job is `build.ensure_entry` in a worker: compiled, published into the cache, or found there.
+Each job is `build.ensure_entry` in a worker: compiled and published into the cache; one the cache already
+holds is found by the caller's process itself, without a worker.
 The tuner keeps one pool alive across its batches and studies. Workers die with their parent. A
 process that dies (a compiler segfault) breaks the pool: it is rebuilt and the batch's jobs retried
 one at a time, each job that kills its worker once more in a fresh one; only a job that kills it
@@ -88,6 +89,23 @@ def _noop() -> None:
     return None
 
 
+def _cached(job: Job) -> Result | None:
+    """The job's result when its variant is already verified in the cache, found in this process (no TileLang
+    import: `get` serves from disk without one), else None. A pool process's first job waits for its TileLang
+    import, seconds at the start of every tuning run, even when the cache holds everything."""
+    from tkjit.build import cache, variant_meta
+    from tkjit.cache import KEY_FIELDS
+    from tkjit.registry import get_spec
+
+    name, static, config, arch, source = job
+    try:
+        key, meta, _ = variant_meta(get_spec(name), static, config, arch, source)
+        entry = cache().lookup(key, {k: meta[k] for k in KEY_FIELDS})
+    except Exception:  # whatever is wrong, the pool's job names it (_compile_one)
+        return None
+    return None if entry is None else Result(key, None)
+
+
 def _cause(codes: Sequence[int | None]) -> str:
     """How a broken pool's worker ended: the pool SIGTERMs the survivors, so another code is the cause."""
     for code in sorted((c for c in codes if c), key=lambda c: c == -signal.SIGTERM):
@@ -118,14 +136,7 @@ class CompilePool:
 
     def compile(self, jobs: Sequence[Job]) -> list[Result]:
         """(key, error) per job, in order."""
-        self.compiled += len(jobs)
-        if not jobs:
-            return []
-        try:
-            return list(self._pool().map(_compile_one, jobs))
-        except BrokenProcessPool:
-            self._reset()
-        return [self._isolated(job) for job in jobs]
+        return list(self.compile_iter(jobs))
 
     def _isolated(self, job: Job) -> Result:
         """One job alone, in a fresh worker if it kills one: compilers crash now and then (a flaky
@@ -141,25 +152,29 @@ class CompilePool:
 
     def compile_iter(self, jobs: Sequence[Job]):
         """Yield (key, error) per job, in order, each as soon as it is done: the caller benchmarks
-        early results while the rest compile. A broken pool falls back to `compile` for the rest."""
+        early results while the rest compile. Variants the cache holds are answered here (`_cached`), the
+        rest compiled by the pool; a broken pool runs the rest one at a time (`_isolated`)."""
         self.compiled += len(jobs)
+        hits = [_cached(j) for j in jobs]
         try:
-            futures = [self._pool().submit(_compile_one, j) for j in jobs]
+            futures = [None if hit else self._pool().submit(_compile_one, j) for j, hit in zip(jobs, hits)]
         except BrokenProcessPool:
             self._reset()
-            futures = []
-        for i, f in enumerate(futures):
+            futures = [None] * len(jobs)
+        for i, (job, hit, f) in enumerate(zip(jobs, hits, futures)):
+            if hit is not None:
+                yield hit
+                continue
+            if f is None:  # the pool broke while the jobs were submitted
+                yield self._isolated(job)
+                continue
             try:
-                res = f.result()
+                yield f.result()
             except BrokenProcessPool:
                 self._reset()
-                self.compiled -= len(jobs) - i
-                yield from self.compile(jobs[i:])
+                for j in jobs[i:]:  # (a cache hit among them is found again, without a process)
+                    yield _cached(j) or self._isolated(j)
                 return
-            yield res
-        if not futures and jobs:
-            self.compiled -= len(jobs)
-            yield from self.compile(jobs)
 
     def _reset(self) -> str:
         """Drop a (broken) pool; returns how its workers ended."""
