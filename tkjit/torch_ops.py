@@ -2611,7 +2611,7 @@ mhc_pre_big_fuse.register_autograd(_big_fuse_backward, setup_context=_big_fuse_s
 
 
 LEAN_OPS: set[str] = set()  # the ops whose autograd kernel is the lean one (_lean_dispatch; tools/hostcost.py)
-LEAN_SKIPPED: dict[str, str] = {}  # why this torch keeps its own kernels, per reason: an op it happened to
+LEAN_SKIPPED: dict[str, str] = {}  # why this torch kept its own kernels: each reason -> the first op it hit
 
 
 def _override(op, key: str, fn, with_keyset: bool = True) -> RuntimeError | None:
