@@ -64,3 +64,22 @@ def test_tile_kernels_get_only_map_entries_it_can_read(monkeypatch, name, pos_ar
     pos = seen["pos"]
     assert ((pos >= -1) & (pos < limit)).all()
     assert torch.equal(pos[(raw >= 0) & (raw < limit)], raw[(raw >= 0) & (raw < limit)])
+
+
+def test_the_default_manifest_tunes_every_benchmark_shape():
+    """`tkjit tune --manifest tools/manifest.toml` must tune every shape the benchmark table compares with
+    TileKernels (its static shape and bucket): a shape left out runs the default there, however slow."""
+    from tkjit.canon import canonical_json
+    from tkjit.tuning.pretune import load_manifest, resolve_studies
+
+    root = Path(__file__).resolve().parents[1]
+    tuned = {(spec.name, canonical_json(spec.static_shape(full)), canonical_json(spec.bucket(full)))
+             for _, spec, full in resolve_studies(load_manifest(root / "tools" / "manifest.toml"))}
+    missing = []
+    for name, shapes in baselines.SHAPES.items():
+        spec = tkjit.get_spec(name)
+        for shape in shapes:
+            full = spec.canonical_shape(shape)
+            if (name, canonical_json(spec.static_shape(full)), canonical_json(spec.bucket(full))) not in tuned:
+                missing.append((name, shape))
+    assert not missing, f"benchmark shapes without a study in tools/manifest.toml: {missing}"
