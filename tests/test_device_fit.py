@@ -56,7 +56,8 @@ def test_an_h200_sized_tuned_config_is_not_served_on_fewer_sms(user_db, monkeypa
     assert tuning_db.choose_config(GFM, GFM_FULL, "sm_90a", None) == (WIDE, "tuned:user")
     monkeypatch.setenv("TKJIT_NUM_SMS", "114")  # an H100 PCIe: 132 blocks of 1024 threads cannot all be resident
     cfg, source = tuning_db.choose_config(GFM, GFM_FULL, "sm_90a", None)
-    assert source == "default" and cfg == GFM.default_config(GFM_FULL, "sm_90a")
+    # the default (512 threads, reduce="unroll": one block an SM) does not fit 114 SMs either: its nearest that does
+    assert source == "default+fit" and cfg != GFM.default_config(GFM_FULL, "sm_90a")
     assert not GFM.device_constraint(GFM_FULL, cfg, {"sms": 114})
 
 
@@ -140,3 +141,14 @@ def test_a_bundle_ships_the_tuned_entry_of_before_the_added_tunables(user_db, tm
                                                 "config": served}})
     picked = _selecting_tuned("sm_90a", [built])
     assert [t["config"] for t in picked] == [old]
+
+
+def test_the_unrolled_reduction_takes_one_block_an_sm():
+    """reduce="unroll" holds its block-count loads in registers (86 a thread at 512 threads: one 512-thread block an
+    SM): 132 such blocks launch on 132 SMs, not on an H100 PCIe's 114, where the rolled loop's 54 registers leave
+    room for two a SM."""
+    unrolled = {"threads": 512, "blocks": 132, "count": "match", "reduce": "unroll", "pad": "after"}
+    assert GFM.device_constraint(GFM_FULL, unrolled, {"sms": 132}) is None
+    assert "resident" in GFM.device_constraint(GFM_FULL, unrolled, {"sms": 114})
+    assert GFM.device_constraint(GFM_FULL, {**unrolled, "reduce": "loop"}, {"sms": 114}) is None
+    assert GFM.device_constraint(GFM_FULL, {**unrolled, "blocks": 66}, {"sms": 114}) is None

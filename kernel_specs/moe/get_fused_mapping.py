@@ -110,9 +110,13 @@ SMEM_PER_SM = 228 * 1024  # an sm_90 SM's shared memory
 
 def device_constraint(shape, c, device):
     """The grid (at most `blocks`) must be resident at once on the GPU at hand: per SM, as many blocks as
-    1024 threads (64 registers a thread) and the shared memory hold, at least one."""
+    1024 threads (64 registers a thread) and the shared memory hold, at least one. reduce="unroll" keeps its
+    `blocks` loads in flight in registers (ptxas: 75-154 a thread at 256 and 512 threads, where "loop" and
+    "columns" take 40-56): one block an SM is all that is sure to be resident, so on a GPU with fewer SMs than
+    blocks it is refused here rather than failing at launch."""
     smem = (c["threads"] // 32) * shape["num_experts"] * 4
-    per_sm = max(1, min(1024 // c["threads"], SMEM_PER_SM // smem))
+    by_regs = 1 if c["reduce"] == "unroll" else 1024 // c["threads"]
+    per_sm = max(1, min(by_regs, SMEM_PER_SM // smem))
     if c["blocks"] > device["sms"] * per_sm:
         return (f"blocks={c['blocks']} > {device['sms']} SMs x {per_sm} resident blocks of {c['threads']} threads: "
                 "a cooperative grid must be co-resident")
