@@ -2626,7 +2626,7 @@ def _override(op, key: str, fn, with_keyset: bool = True) -> RuntimeError | None
                 op._lib.impl(op._name, fn, key, with_keyset=with_keyset, allow_override=True)
             except TypeError:  # a torch before `allow_override` (2.11): its Python-side check refuses a second
                 # kernel for a key custom_op registered; the dispatcher itself takes it (as allow_override does)
-                torch.library._impls.discard(f"{op._lib.ns}/{op._name}/{key}")
+                getattr(torch.library, "_impls", set()).discard(f"{op._lib.ns}/{op._name}/{key}")
                 op._lib.impl(op._name, fn, key, with_keyset=with_keyset)
         except RuntimeError as e:
             return e
