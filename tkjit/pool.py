@@ -172,8 +172,8 @@ class CompilePool:
                 yield f.result()
             except BrokenProcessPool:
                 self._reset()
-                for j in jobs[i:]:  # (a cache hit among them is found again, without a process)
-                    yield _cached(j) or self._isolated(j)
+                for j, h in zip(jobs[i:], hits[i:]):  # (the cache hits among them were found above)
+                    yield h or self._isolated(j)
                 return
 
     def _reset(self) -> str:
