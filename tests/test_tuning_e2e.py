@@ -181,3 +181,44 @@ def test_check_reference_computed_once_a_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(tkjit.testing, "reference_outputs", wrong)
     reply = child.bench({"kernel": "sinkhorn_fwd", "shape": shape, "config": config, "arch": "cpu", "seed": 13})
     assert not reply["ok"] and reply["kind"] == "wrong" and "seed 13" in reply["error"], reply
+
+
+def test_timed_runs_of_an_in_place_kernel_leave_the_study_inputs_as_drawn(monkeypatch):
+    """An in-place kernel (mhc_pre_norm_fn_bwd adds into x_grad) changes its inputs on every timed run. Those
+    runs used the study's inputs themselves, so every candidate after the first failed its gate on inputs the
+    earlier candidates had changed ("timing inputs: x_grad: relative error 1.389e+01", 29 of 30 configs of
+    each mhc_pre_norm_fn_bwd study on an H100). Now each candidate's timed runs change copies of their own."""
+    import torch
+
+    from tkjit.spec import KernelSpec, Runtime, TensorArg, Tolerance
+    from tkjit.tuning.worker import WorkerSetup, _Child
+
+    spec = KernelSpec(
+        name="accumulate_probe", family="test", doc="", params=(Runtime("n"),),
+        space={"variant": (0, 1)}, default=lambda s: {"variant": 0}, constraint=lambda s, c: None,
+        build=lambda s, c: None,
+        inputs=(TensorArg("x", "float32", ("n",)), TensorArg("acc", "float32", ("n",), inout=True)),
+        outputs=(TensorArg("y", "float32", ("n",)),),
+        make_inputs=lambda s, device="cpu", seed=0: (torch.arange(s["n"], dtype=torch.float32),
+                                                     torch.ones(s["n"])),
+        reference=lambda s, x, acc: (acc + x, 2 * x), tolerance=Tolerance(exact=True),
+        bytes_moved=lambda s: 0, examples=({"n": 8},), source_hash="x",
+    )
+
+    class Kernel:  # the real worker path around it; the kernel itself is what a C-target build cannot be
+        def __init__(self, config: dict) -> None:
+            self.spec, self.config, self.key = spec, config, str(config)
+            self.shape = spec.canonical_shape({"n": 8})
+
+        def __call__(self, x, acc, out):
+            acc += x
+            out[0].copy_(2 * x)
+
+    child = _Child(WorkerSetup(arch="cpu", budget_s=0.002))
+    monkeypatch.setattr(child.tkjit, "get_spec", lambda name: spec)
+    monkeypatch.setattr(child, "_kernel", lambda name, shape, config, arch: Kernel(config))
+    for variant in (0, 1, 0):
+        reply = child.bench({"kernel": spec.name, "shape": {"n": 8}, "config": {"variant": variant}, "arch": "cpu"})
+        assert reply["ok"] and reply["n"] > 1, reply
+    inputs, _ = child._study_data(spec, spec.canonical_shape({"n": 8}))
+    assert torch.equal(inputs[1], torch.ones(8))  # as drawn, after hundreds of timed runs

@@ -45,6 +45,14 @@ def reference_outputs(spec: KernelSpec, full: dict[str, Any], inputs: Sequence[t
     return tuple(r.cpu() if isinstance(r, torch.Tensor) else r for r in ref)
 
 
+def inout_copies(spec: KernelSpec, full: dict[str, Any], inputs: Sequence[Any]) -> list[Any]:
+    """`inputs` with each in-place input (TensorArg.inout) replaced by a copy: a kernel run on the result, once or
+    a thousand times, leaves `inputs` as they were. make_inputs gives the present inputs only (then any scalars):
+    positions are among those, not among spec.inputs."""
+    present = [a for a in spec.inputs if a.present(full)]
+    return [t.clone() if i < len(present) and present[i].inout else t for i, t in enumerate(inputs)]
+
+
 def run_against_reference(
     kernel: CompiledKernel,
     full: dict[str, Any],
@@ -72,7 +80,7 @@ def run_against_reference(
         # copies, so the caller's inputs (a tuner's study data) stay as they were.
         if refs is None:
             refs = reference_outputs(spec, full, inputs)
-        inputs = [t.clone() if i in inouts else t for i, t in enumerate(inputs)]
+        inputs = inout_copies(spec, full, inputs)
     outs = poisoned_outputs(kernel, runtime, dev)
     kernel(*inputs, out=outs)
     if dev.type == "cuda":

@@ -105,6 +105,20 @@ def compare(name: str, ref: dict, got: dict) -> str:
     return f"{name} vs tkjit (max |diff| / max |tkjit|): " + ", ".join(parts)
 
 
+def kernel_table(step: Callable[[], object], top: int, steps: int = 5) -> str:
+    """The costliest CUDA kernels of `steps` runs of `step` (torch.profiler, device time summed): where a
+    time goes rather than a guess."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=70)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
@@ -113,6 +127,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print each implementation's N costliest CUDA kernels of one train fwd+bwd step")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_mhc_layer: needs a CUDA GPU", file=sys.stderr)
@@ -155,6 +171,9 @@ def main() -> int:
         if "TileKernels" in us and "tkjit" in us:
             line += f"  {us['TileKernels'] / us['tkjit']:>19.2f}x"
         print(line)
+    for name, r in runs.items() if a.profile else ():
+        print(f"\n{name}: CUDA kernels of five train fwd+bwd steps (summed)")
+        print(kernel_table(r["train fwd+bwd"], a.profile))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "gpu": torch.cuda.get_device_name(), "rows": rows},
                                            indent=1))

@@ -155,7 +155,7 @@ class _Child:
                  phases: dict[str, float] | None = None):
         """Load and gate a candidate; returns (run closure, None) or (None, failure reply). phases: seconds
         each step took (load, check, gate) are added to it, so a study shows where its time went."""
-        from tkjit.testing import check, run_against_reference
+        from tkjit.testing import check, inout_copies, run_against_reference
 
         phases = {} if phases is None else phases
         t = time.perf_counter()
@@ -174,9 +174,12 @@ class _Child:
         phases["gate_s"] = time.perf_counter() - t
         if problem:
             return None, {"ok": False, "kind": "wrong", "error": f"timing inputs: {problem}"}
+        # The timed runs change in-place inputs (an accumulated gradient grows every run): they get their own
+        # copies, so the study's inputs stay as drawn for the next candidate's gate.
+        timed = inout_copies(spec, full, inputs)
 
         def run() -> None:
-            k(*inputs, out=outs)
+            k(*timed, out=outs)
 
         return run, None
 
