@@ -1269,7 +1269,7 @@ SHAPES["grad_w_reduce"] = [{"hc_mult": 4, "hidden_size": h} for h in (7168, 4096
 # Inputs as the specs' make_inputs give them: x (num_tokens, K) bf16 and fn (M, K) float32 (the forward); the
 # backward's mul_grad, sqrsum_grad, x, fn, x_grad. TileKernels' forward row runs its op (two kernels: the TF32
 # GEMM, then the norm; fn's TF32 rounding in torch) on x viewed as (num_tokens, mhc_mult, hidden); its backward
-# has no row (its kernels need the op's saved tensors: time it through the GPU tests' autograd runs).
+# row is its GEMM kernel alone (_norm_fn_bwd_tk), as tkjit's.
 
 def _norm_fn_torch(shape):
     eps, k = shape.get("norm_eps", 1e-6), shape["mhc_hidden"]
@@ -1310,8 +1310,29 @@ def _norm_fn_tk(shape, inputs):
     return run
 
 
+def _norm_fn_bwd_tk(shape, inputs):
+    """TileKernels' backward GEMM kernel, the one its MHCPreNormFn.backward launches after the norm kernel, on the
+    same five tensors: it writes fn's whole gradient where tkjit's kernel writes num_partials partial sums (which
+    the op then adds: ~30 us at 8192 x 28672), and takes 128-token blocks (its own op pads nothing either)."""
+    m3, k, n = shape["mhc_mult3"], shape["mhc_hidden"], shape["num_tokens"]
+    if _tile_kernels() is None or m3 > 32 or k % 128 or n % 128:
+        return None
+    from tile_kernels.mhc.norm_fn_kernel import _mhc_pre_norm_fn_bwd_mul
+
+    mul_grad, sqrsum_grad, x, fn, x_grad = inputs
+    kernel = _mhc_pre_norm_fn_bwd_mul(m3, 1, k)
+    fn_grad = torch.empty_like(fn)
+    g, s = mul_grad.view(-1, 1, m3), sqrsum_grad.view(-1, 1)
+
+    def run():
+        kernel(g, s, x, fn, x_grad, fn_grad)
+        return x_grad, fn_grad
+
+    return run
+
+
 TORCH.update({"mhc_pre_norm_fn": _norm_fn_torch, "mhc_pre_norm_fn_bwd": _norm_fn_bwd_torch})
-TILE_KERNELS.update({"mhc_pre_norm_fn": _norm_fn_tk})
+TILE_KERNELS.update({"mhc_pre_norm_fn": _norm_fn_tk, "mhc_pre_norm_fn_bwd": _norm_fn_bwd_tk})
 # mhc_mult 4 (M = 24), hidden 4096 and 7168 (K = 16384, 28672), 1K to 8K tokens; mhc_mult 8 (M = 80) once.
 _NORM_FN_SHAPES = [{"num_tokens": t, "mhc_mult3": 24, "mhc_hidden": k} for k in (16384, 28672)
                    for t in (1024, 4096, 8192)] + [{"num_tokens": 4096, "mhc_mult3": 80, "mhc_hidden": 32768}]
