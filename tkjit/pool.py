@@ -16,7 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from tkjit import envs
@@ -118,6 +118,7 @@ class CompilePool:
         self.n_jobs = max(1, n_jobs or default_jobs())
         self.imports = tuple(imports)
         self._ex: ProcessPoolExecutor | None = None
+        self._jobs: list[Future] = []  # compile jobs submitted (warm()'s no-ops are not): close() asks if any runs
         self.compiled = 0  # jobs submitted (cache hits included): tests count these
 
     def _pool(self) -> ProcessPoolExecutor:
@@ -127,6 +128,11 @@ class CompilePool:
                 initializer=_init, initargs=(self.imports, os.getpid()),
             )
         return self._ex
+
+    def _submit(self, job: Job) -> Future:
+        f = self._pool().submit(_compile_one, job)
+        self._jobs = [j for j in self._jobs if not j.done()] + [f]
+        return f
 
     def warm(self) -> None:
         """Start the processes now (they import TileLang in the background)."""
@@ -143,7 +149,7 @@ class CompilePool:
         nvcc or ptxas); a job that kills its worker twice is reported with how the worker died."""
         for attempt in range(2):
             try:
-                return self._pool().submit(_compile_one, job).result()
+                return self._submit(job).result()
             except BrokenProcessPool:
                 how = self._reset()
                 if attempt:
@@ -157,7 +163,7 @@ class CompilePool:
         self.compiled += len(jobs)
         hits = [_cached(j) for j in jobs]
         try:
-            futures = [None if hit else self._pool().submit(_compile_one, j) for j, hit in zip(jobs, hits)]
+            futures = [None if hit else self._submit(j) for j, hit in zip(jobs, hits)]
         except BrokenProcessPool:
             self._reset()
             futures = [None] * len(jobs)
@@ -189,10 +195,11 @@ class CompilePool:
         ex, self._ex = self._ex, None
         if ex is None:
             return
-        if not getattr(ex, "_pending_work_items", True):
-            # Idle (every job done): nothing is lost by ending the processes now, where a shutdown waits for
-            # each to tear down its interpreter (TileLang and torch loaded: most of a second, at the end of
-            # every tuning run).
+        if all(f.done() for f in self._jobs):
+            # No compile job running (warm()'s no-ops may be: processes still importing TileLang when every
+            # variant was a cache hit): nothing is lost by ending the processes now, where a shutdown waits for
+            # each to finish its import and tear down its interpreter (TileLang and torch loaded: a second or
+            # more, at the end of every tuning run).
             for p in list(getattr(ex, "_processes", {}).values()):  # the stdlib keeps no public handle
                 with contextlib.suppress(Exception):
                     p.terminate()

@@ -82,3 +82,21 @@ def test_the_gate_compares_on_the_gpu_against_study_references_kept_there(arch):
     wrong.view(-1)[7] += 1.0
     problem = run_against_reference(k, full, inputs, refs=(wrong, *refs[1:]))[1]
     assert problem is not None and "error" in problem
+
+
+def test_an_in_place_kernel_study_gates_every_candidate_on_the_inputs_as_drawn(arch, tmp_path):
+    """mhc_pre_norm_fn_bwd adds into x_grad. Its studies failed every candidate after the first ("timing inputs:
+    x_grad: relative error 1.389e+01") while the timed runs changed the study's own x_grad; now every correct
+    config passes its gate, both layouts."""
+    from tkjit.registry import get_spec
+
+    spec = get_spec("mhc_pre_norm_fn_bwd")
+    shape = {"num_tokens": 1024, "mhc_mult3": 24, "mhc_hidden": 16384}
+    full = spec.canonical_shape(shape)
+    configs = [c for c in spec.configs(full, arch) if c["layout"] == "mma"][:3]
+    configs.append(spec.default_config(full, arch))
+    configs += [c for c in spec.configs(full, arch) if c["layout"] == "lanes" and c not in configs][:2]
+    with LocalEvaluator(arch, timeout_s=120) as ev:
+        r = tune("mhc_pre_norm_fn_bwd", shape, arch=arch, evaluator=ev, storage=f"journal:{tmp_path}/j.log",
+                 only=configs)
+    assert r.trials == len(configs) and not r.failed, r.failed
