@@ -99,8 +99,14 @@ def test_registered_defaults_and_constraints():
         tkjit.get(FWD, {"num_tokens": 8, "mhc_mult3": 24, "mhc_hidden": 96}, arch="sm_90a", config={**LANES, "vec": 8})
     b = tkjit.get_spec(BWD)
     bfull = b.canonical_shape({"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384})
-    assert b.default_config(bfull, "sm_90a") == {"layout": "lanes", "threads": 128, "vec": 2, "tile": 32,
-                                                  "warps": 4, "block_tokens": 64, "block_k": 64}
+    # The tensor-core layout where it applies (mhc_mult3 <= 32, 64 | mhc_hidden), else the lanes layout
+    assert b.default_config(bfull, "sm_90a") == BWD_MMA
+    assert b.default_config(b.canonical_shape({"num_tokens": 64, "mhc_mult3": 24, "mhc_hidden": 1280 + 64}),
+                            "sm_90a") == {**BWD_MMA, "block_k": 64}
+    assert b.default_config(b.canonical_shape({"num_tokens": 64, "mhc_mult3": 80, "mhc_hidden": 32768}),
+                            "sm_90a")["layout"] == "lanes"
+    assert b.default_config(b.canonical_shape({"num_tokens": 64, "mhc_mult3": 24, "mhc_hidden": 1056}),
+                            "sm_90a") == {**BWD_LANES, "threads": 32, "vec": 1}
     assert b.constraint(b.canonical_shape({"num_tokens": 1, "mhc_mult3": 80, "mhc_hidden": 1024}),
                         {**BWD_LANES, "threads": 32, "vec": 2, "tile": 8}) is not None
     for spec in (s, b):

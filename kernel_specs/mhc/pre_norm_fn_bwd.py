@@ -11,15 +11,16 @@ forward), zeros or mhc_post's residual gradient as x_grad (TileKernels' fuse_gra
 partials in float32. Token range p is [p * ceil(N / P), (p + 1) * ceil(N / P)) in both layouts: the ranges do
 not depend on the config, so the reference computes the same partials.
 
-Two layouts (`layout`). "lanes" (the default): grid (K / (threads * vec), num_partials); a thread owns vec
+Two layouts (`layout`). "lanes": grid (K / (threads * vec), num_partials); a thread owns vec
 columns of the row, keeps fn's M * vec values and M * vec fn_grad sums in registers, and walks its token
 range; the block stages `tile` tokens' M + 1 gradients in shared memory (read by every thread: broadcasts).
 Per token it reads x and x_grad (coalesced vectors) and writes x_grad: the traffic TileKernels' kernel has,
 with P times more blocks. Its two GEMMs are 2 * M FMAs an element on the CUDA cores (48 at mhc_mult 4): for
 8192 tokens x 28672 about 0.34 ms at the H200's FMA rate, as long as moving its 1.4 GB (0.33 ms at the copy
-ceiling): predicted, not measured. "mma": TileKernels' approach, both GEMMs on TF32 tensor cores over
-block_tokens x block_k tiles (see _build_mma); mhc_mult3 <= 32 (mhc_mult up to 4). Neither has been measured
-on a GPU yet: the tuner, behind its correctness gate, picks between them.
+ceiling), predicted; measured on an H100: 2.26 ms, 21% of its copy ceiling (what bounds it is not profiled
+yet). "mma": TileKernels' approach, both GEMMs on TF32 tensor cores over block_tokens x block_k tiles (see
+_build_mma); mhc_mult3 <= 32 (mhc_mult up to 4): the default where it applies (see MMA_DEFAULT). The tuner,
+behind its correctness gate, picks between them.
 
 Precision: the op's mul_grad and fn are TF32 already and bf16 x is exact in TF32, so a TF32 product is
 exact in float32 and the layouts differ only in the order of float32 sums (make_inputs draws TF32 values
@@ -52,7 +53,21 @@ LANES_ONLY = {"threads": 128, "vec": 1, "tile": 32}  # the mma layout's value of
 MMA_ONLY = {"warps": 4, "block_tokens": 64, "block_k": 64}  # the lanes layout's value likewise
 
 
+# The tensor-core default: TileKernels' design (fn's tile in shared memory, both GEMMs in TF32, a block walking
+# tokens), in 64-token steps so three blocks share an SM (72 KB of shared memory each), over 16 token ranges for
+# more blocks than TileKernels' one per 128 columns. The lanes layout (the default of before) took 2.2 ms at 8192
+# tokens x 28672 on an H100, 21% of its copy ceiling, where TileKernels' kernel of this design took 1.0 ms
+# (benchmarks/h200/2026-12-07_s24_h100_run{3,4}_*); this config itself is checked on GPUs
+# (tests/gpu/test_gpu_mhc_pre_norm_fn.py::test_backward_mma_layout), its speed not measured yet.
+MMA_DEFAULT = {"layout": "mma", **LANES_ONLY, "warps": 4, "block_tokens": 64, "block_k": 128}
+
+
 def default(shape):
+    for bk in (128, 64):
+        c = {**MMA_DEFAULT, "block_k": bk}
+        if constraint(shape, c) is None:
+            return c
+    # Else (mhc_mult3 > 32, or 64 does not divide mhc_hidden) the lanes layout.
     k = shape["mhc_hidden"]
     for threads, v in ((128, 2), (64, 2), (128, 1), (64, 1), (32, 1)):
         if k % (threads * v) == 0:
@@ -269,6 +284,12 @@ def _m(s):
     return s["mhc_mult3"]
 
 
+def _align(s, c):
+    """x's and x_grad's data pointers: the mma layout copies 16-byte vectors of their rows (cp.async), the lanes
+    layout vec bf16 at a time."""
+    return 16 if c["layout"] == "mma" else 2 * c["vec"]
+
+
 SPEC = register(
     KernelSpec(
         name="mhc_pre_norm_fn_bwd",
@@ -282,10 +303,9 @@ SPEC = register(
         inputs=(
             TensorArg("mul_grad", "float32", ("num_tokens", _m), align=4),
             TensorArg("sqrsum_grad", "float32", ("num_tokens",), align=4),
-            TensorArg("x", "bfloat16", ("num_tokens", "mhc_hidden"), align=lambda s, c: 2 * c["vec"]),
+            TensorArg("x", "bfloat16", ("num_tokens", "mhc_hidden"), align=_align),
             TensorArg("fn", "float32", (_m, "mhc_hidden"), align=lambda s, c: 4 * c["vec"]),
-            TensorArg("x_grad", "bfloat16", ("num_tokens", "mhc_hidden"), align=lambda s, c: 2 * c["vec"],
-                      inout=True),
+            TensorArg("x_grad", "bfloat16", ("num_tokens", "mhc_hidden"), align=_align, inout=True),
         ),
         outputs=(
             TensorArg("fn_grad_partial", "float32", ("num_partials", _m, "mhc_hidden"),
