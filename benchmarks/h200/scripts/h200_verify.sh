@@ -32,6 +32,9 @@
 #             # NCU_REGEX: the kernels' names when they are not the op's (a regex over both)
 #   layer     # an mHC sublayer's pre + post end to end (train fwd, fwd+bwd, inference), tkjit beside TileKernels,
 #             # torch.compile and eager (tools/bench_mhc_layer.py; LAYER_ARGS, e.g. "--tokens 4096 --hidden 4096")
+#   inplace   # the kernels that add into an input, after the tuner's fix for them (session 24): the GPU test of
+#             # that fix, a pretune of $KERNELS (default mhc_pre_norm_fn_bwd, pre_apply_mix_bwd_acc, grad_w_reduce)
+#             # and their table, then the mHC sublayer served from those winners (`layer`, --profile 8)
 #   fleet     # sinkhorn_fwd's 28-config study at 1M tokens: one worker from a cold cache (compiling), then one
 #             # worker and two workers sharing the study through SQLite on the one GPU (wall time; each config
 #             # measured once)
@@ -300,6 +303,13 @@ ncu)
       done
     done; } > "$OUT/ncu.txt" 2>&1
   grep -E "^===|: tkjit|: TileKernels|Duration|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Registers Per|Achieved Occ|Warp Cycles Per Issued|Executed Ipc A" "$OUT/ncu.txt"
+  ;;
+inplace)
+  FILES="tuning:in_place" TEST_TIMEOUT=${TEST_TIMEOUT:-80} bash "$0" parallel
+  KERNELS=${KERNELS:-mhc_pre_norm_fn_bwd,pre_apply_mix_bwd_acc,grad_w_reduce} BENCH=${BENCH:-mhc_pre_norm_fn_bwd,grad_w_reduce} \
+    EXTRAS=0 TUNE_TIMEOUT=${TUNE_TIMEOUT:-200} BENCH_TIMEOUT=${BENCH_TIMEOUT:-80} bash "$0" tune | grep -v "cfg/s\|s/cfg"
+  TKJIT_TUNING_DB="$OUT/db" LAYER_TIMEOUT=${LAYER_TIMEOUT:-120} LAYER_ARGS="--no-compile --reps 20 --profile 8" \
+    bash "$0" layer
   ;;
 layer)
   timeout "${LAYER_TIMEOUT:-240}" python tools/bench_mhc_layer.py $LAYER_ARGS --json "$OUT/mhc_layer.json" \
