@@ -37,21 +37,21 @@ def test_cli_compile_list_show_clear_doctor(cache_dir):
     assert "empty" in _cli(cache_dir, "list").stdout
 
 
-def test_the_command_ends_without_the_interpreters_teardown_and_loses_no_output(cache_dir, capsys, monkeypatch):
+def test_the_command_ends_without_the_interpreters_teardown_and_loses_no_output(cache_dir):
     """`tkjit` (tkjit.cli.run) leaves by os._exit once torch is loaded (its teardown took 0.7 s of every `tkjit
-    tune`): what it printed, on a pipe (block-buffered) and however long, all arrives, and its status with it."""
-    from tkjit.cli import main
+    tune`): what it printed, on a pipe (block-buffered) and however long, all arrives, as main() through a normal
+    exit prints it, and its status with it."""
+    def python(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(cache_dir), capture_output=True,
+                              text=True)
 
-    monkeypatch.setenv("TKJIT_CACHE_DIR", str(cache_dir))
-    assert main(["specs"]) == 0
-    expected = capsys.readouterr().out
-    assert len(expected) > 8192  # more than a pipe's buffer
+    normal = python("import sys; from tkjit.cli import main; sys.exit(main(['specs']))")
+    assert normal.returncode == 0 and len(normal.stdout) > 8192, normal.stderr  # more than a pipe's buffer
     r = _cli(cache_dir, "specs")
-    assert r.returncode == 0 and r.stdout == expected, r.stderr
+    assert r.returncode == 0 and r.stdout == normal.stdout, r.stderr
     r = _cli(cache_dir, "show", "no_such_kernel")
     assert r.returncode == 1 and "no_such_kernel" in r.stderr
     # the exit handlers still run (multiprocessing's reaps children): one registered before prints last
-    code = ("import atexit, sys, torch; atexit.register(print, 'exit handler ran'); sys.argv = ['tkjit', 'specs']; "
-            "from tkjit.cli import run; run()")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(cache_dir), capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout == expected + "exit handler ran\n", r.stderr
+    r = python("import atexit, sys, torch; atexit.register(print, 'exit handler ran'); sys.argv = ['tkjit', 'specs']; "
+               "from tkjit.cli import run; run()")
+    assert r.returncode == 0 and r.stdout == normal.stdout + "exit handler ran\n", r.stderr
