@@ -99,4 +99,4 @@ def test_an_in_place_kernel_study_gates_every_candidate_on_the_inputs_as_drawn(a
     with LocalEvaluator(arch, timeout_s=120) as ev:
         r = tune("mhc_pre_norm_fn_bwd", shape, arch=arch, evaluator=ev, storage=f"journal:{tmp_path}/j.log",
                  only=configs)
-    assert r.trials == len(configs) and not r.failed, r.failed
+    assert r.trials == len({config_id(c) for c in configs}) and not r.failed, r.failed  # (the default may be twice)
