@@ -128,7 +128,7 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also print each implementation's N costliest CUDA kernels of one train fwd+bwd step")
+                    help="also print each implementation's N costliest CUDA kernels over five train fwd+bwd steps")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_mhc_layer: needs a CUDA GPU", file=sys.stderr)
