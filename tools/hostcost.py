@@ -34,17 +34,24 @@ from tkjit import envs, torch_ops
 OPS_US, OPS_X_TOPK, KERNEL_US = 5.0, 0.3, 3.0  # the targets
 
 
-def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
-    for _ in range(min(200, calls)):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(5):  # best of five: the figure is a cost floor, other host activity only adds
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(rows: dict[str, Callable[[], object]], calls: Callable[[str], int], sync: Callable[[], None],
+                rounds: int = 5) -> dict[str, float]:
+    """µs a call of each row: the best of `rounds` rounds, each round timing every row once in turn, so that
+    rows compared with each other (tkjit's step beside TileKernels') see the same host state, not one row an
+    earlier minute's. Best, not median: the figure is a cost floor, other host activity only adds."""
+    for name, fn in rows.items():  # warm-up: plans, caches, allocator
+        for _ in range(min(200, calls(name))):
             fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    best = dict.fromkeys(rows, float("inf"))
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            n = calls(name)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
     return best
 
 
@@ -179,7 +186,7 @@ def main() -> None:
     a = ap.parse_args()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     rows = rows_for(a.device)
-    out = {name: per_call_us(fn, calls_for(name, a.calls), sync) for name, fn in rows.items()}
+    out = per_call_us(rows, lambda name: calls_for(name, a.calls), sync)
     ref = out["torch.topk"]
     print(f"CUDA launcher: {envs.launcher()} (TKJIT_LAUNCHER); torch {torch.__version__}, lean dispatch for "
           f"{len(torch_ops.LEAN_OPS)} of {len(torch_ops.OPS)} torch.ops.tkjit ops")
