@@ -17,8 +17,8 @@ range; the block stages `tile` tokens' M + 1 gradients in shared memory (read by
 Per token it reads x and x_grad (coalesced vectors) and writes x_grad: the traffic TileKernels' kernel has,
 with P times more blocks. Its two GEMMs are 2 * M FMAs an element on the CUDA cores (48 at mhc_mult 4): for
 8192 tokens x 28672 about 0.34 ms at the H200's FMA rate, as long as moving its 1.4 GB (0.33 ms at the copy
-ceiling), predicted; measured on an H100: 2.26 ms, 21% of its copy ceiling (what bounds it is not profiled
-yet). "mma": TileKernels' approach, both GEMMs on TF32 tensor cores over block_tokens x block_k tiles (see
+ceiling), predicted; measured on an H100: 2.26 ms, 21% of its copy ceiling (the mma default: 0.96 ms).
+"mma": TileKernels' approach, both GEMMs on TF32 tensor cores over block_tokens x block_k tiles (see
 _build_mma); mhc_mult3 <= 32 (mhc_mult up to 4): the default where it applies (see MMA_DEFAULT). The tuner,
 behind its correctness gate, picks between them.
 
@@ -57,8 +57,10 @@ MMA_ONLY = {"warps": 4, "block_tokens": 64, "block_k": 64}  # the lanes layout's
 # tokens), in 64-token steps so three blocks share an SM (72 KB of shared memory each), over 16 token ranges for
 # more blocks than TileKernels' one per 128 columns. The lanes layout (the default of before) took 2.2 ms at 8192
 # tokens x 28672 on an H100, 21% of its copy ceiling, where TileKernels' kernel of this design took 1.0 ms
-# (benchmarks/h200/2026-12-07_s24_h100_run{3,4}_*); this config itself is checked on GPUs
-# (tests/gpu/test_gpu_mhc_pre_norm_fn.py::test_backward_mma_layout), its speed not measured yet.
+# (benchmarks/h200/2026-12-07_s24_h100_run{3,4}_*). This config, same H100 model: 962 us there (TileKernels
+# 1047), 0.56-1.0x TileKernels' time at 4096-8192 tokens and 1024 x 16384, but 221 against 147 us at 1024 x 28672,
+# where each token range is one 64-token step (benchmarks/h200/2026-12-07_s25_h100_run1_bench.txt); it won
+# every study at mhc_mult3 24 (30 configs each).
 MMA_DEFAULT = {"layout": "mma", **LANES_ONLY, "warps": 4, "block_tokens": 64, "block_k": 128}
 
 
