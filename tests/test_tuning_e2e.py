@@ -99,6 +99,30 @@ def test_planted_wrong_crashing_and_hanging_configs_never_win(tmp_path, monkeypa
     tkjit.reset()
 
 
+def test_a_study_whose_reference_outlasts_a_candidates_time_limit_measures_every_candidate(tmp_path, monkeypatch):
+    """The worker drew a study's inputs and reference inside its first candidate's job, under the candidate's time
+    limit: a reference slower than that (mhc_multilayer_recompute's, minutes on the CPU) made the job a "hang", the
+    worker was replaced and drew them again for the next candidate, and every candidate failed (62 s each on an
+    H100 host). The study's data is now a job of its own, under a longer limit, drawn once."""
+    monkeypatch.setenv("TKJIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    import planted_specs
+
+    import tkjit
+
+    tkjit.reset()
+    configs = [{"variant": v, "block": b} for v in ("good", "good2") for b in (64, 128)]
+    n = 3 << 20  # (its bucket: 4M) > SLOW_REFERENCE_N; the fresh-input check shrinks it to that or below
+    assert n > planted_specs.SLOW_REFERENCE_N
+    with LocalEvaluator("cpu", jobs=2, imports=["planted_specs"], timeout_s=planted_specs.SLOW_REFERENCE_S / 2,
+                        budget_s=0.02) as ev:
+        r = tune("planted_slow_reference", {"n": n}, arch="cpu", evaluator=ev, storage=f"journal:{tmp_path}/j.log",
+                 only=configs)
+        assert ev.worker.restarts == 0
+    assert r.failed == {} and r.trials == len(configs)
+    tkjit.reset()
+
+
 def test_a_run_cut_short_keeps_the_winners_of_the_studies_it_finished(tmp_path, monkeypatch):
     """Winners are written as each study ends: a pretune killed in its second study (here an interrupt,
     on the GPU host a time limit) still leaves the first study's winner in the DB."""

@@ -6,8 +6,11 @@
   crash        writes 4 GiB past the output (an illegal address on a GPU)
   segv         raise(SIGSEGV) (C target only: the worker dies)
 Tuning tests make the bad variants look fastest (a fake timer) and check that they never win.
-Works on the C target (arch="cpu") and on GPUs.
+`planted_slow_reference` is planted_scale whose reference takes SLOW_REFERENCE_S past SLOW_REFERENCE_N elements (a
+study's shape, not its small fresh-input check's). Works on the C target (arch="cpu") and on GPUs.
 """
+
+import time
 
 import torch
 
@@ -68,6 +71,36 @@ SPEC = register(
         tolerance=Tolerance(rtol=1e-6),
         bytes_moved=lambda s: 8 * s["n"],
         examples=({"n": 4096},),
+    ),
+    replace=True,
+)
+
+
+SLOW_REFERENCE_N, SLOW_REFERENCE_S = 1 << 21, 5.0  # (the fresh-input check: <= 1 << 21 elements)
+
+
+def slow_reference(shape, x):
+    if shape["n"] > SLOW_REFERENCE_N:
+        time.sleep(SLOW_REFERENCE_S)
+    return x * 2.0
+
+
+SLOW = register(
+    KernelSpec(
+        name="planted_slow_reference",
+        family="planted",
+        doc="y = 2 x, whose reference is slow at large n (tests only)",
+        params=SPEC.params,
+        space={"variant": ("good", "good2"), "block": (64, 128)},
+        default=SPEC.default,
+        build=build,
+        inputs=SPEC.inputs,
+        outputs=SPEC.outputs,
+        make_inputs=make_inputs,
+        reference=slow_reference,
+        tolerance=SPEC.tolerance,
+        bytes_moved=SPEC.bytes_moved,
+        examples=SPEC.examples,
     ),
     replace=True,
 )

@@ -70,6 +70,7 @@ class LocalEvaluator:
         timer_kwargs: Mapping[str, Any] | None = None,
         imports: Sequence[str] = (),
         timeout_s: float = 60.0,
+        study_timeout_s: float = 1800.0,
         budget_s: float | None = None,
         retime_rounds: int = 5,
         copy_at_start: bool = False,
@@ -89,6 +90,11 @@ class LocalEvaluator:
         self.pool = CompilePool(jobs, imports)
         self.worker = BenchWorker(setup, timeout_s=timeout_s)
         self.retime_rounds = retime_rounds
+        # A study's inputs and reference are drawn by a job of their own under study_timeout_s, not inside its first
+        # candidate's (timeout_s): a slow reference there was a "hang" that replaced the worker, which drew it again
+        # for the next candidate, and so on (every candidate of mhc_multilayer_recompute's studies, 62 s each).
+        self.study_timeout_s = study_timeout_s
+        self._drawn: tuple[Any, ...] | None = None  # (kernel, shape, worker pid) whose study data the worker holds
 
     def device_info(self) -> dict[str, Any]:
         return self.worker.start()
@@ -101,14 +107,32 @@ class LocalEvaluator:
         for _, err in self.pool.compile_iter([(spec.name, static, c, arch, "tuning") for c in configs]):
             yield err
 
+    def _study_data(self, spec, full) -> dict[str, Any] | None:
+        """Have the worker hold this study's inputs and reference (drawn again after a restart); None when it
+        does, else the failed reply, which the candidate about to run takes as its own."""
+        key = (spec.name, canonical_json(full, default=str))
+        if self._drawn is not None and self._drawn == (*key, self.worker.pid):
+            return None
+        r = self.worker.request({"op": "study", "kernel": spec.name, "shape": full}, timeout_s=self.study_timeout_s)
+        if not r.get("ok"):
+            return {**r, "error": f"drawing the study's inputs and reference: {r.get('error', '')}"}
+        self._drawn = (*key, self.worker.pid)
+        return None
+
     def bench(self, spec, full, config, arch, seed, stop_above_us=None):
         from tkjit.tuning.worker import bench_job
 
+        fail = self._study_data(spec, full)
+        if fail is not None:
+            return fail
         return self.worker.request(bench_job(spec.name, full, config, arch, seed, stop_above_us=stop_above_us))
 
     def retime(self, spec, full, configs, arch):
         from tkjit.tuning.worker import retime_job
 
+        fail = self._study_data(spec, full)
+        if fail is not None:
+            return [fail] * len(configs)
         r = self.worker.request(retime_job(spec.name, full, configs, arch, self.retime_rounds),
                                 timeout_s=self.worker.timeout_s * max(1, len(configs)))
         if not r.get("ok"):

@@ -183,6 +183,15 @@ class _Child:
 
         return run, None
 
+    def study(self, job: dict) -> dict:
+        """Draw a study's inputs and compute their reference outputs (kept for its candidates): a job of its own,
+        under a longer time limit than a candidate's, as a reference at a large shape on the CPU can take minutes
+        (mhc_multilayer_recompute's exact float32 replay: 5 min at 8192 tokens x 4 x 2560 x 10 layers, 2 cores)."""
+        t = time.perf_counter()
+        spec = self.tkjit.get_spec(job["kernel"])
+        self._study_data(spec, job["shape"])
+        return {"ok": True, "s": round(time.perf_counter() - t, 3)}
+
     def bench(self, job: dict) -> dict:
         phases: dict[str, float] = {}
         run, fail = self._prepare(job["kernel"], job["shape"], job["config"], job["arch"], job.get("seed"), phases)
@@ -275,6 +284,8 @@ def _main(conn, setup: WorkerSetup, parent: int) -> None:
                 reply = child.bench(job)
             elif op == "retime":
                 reply = child.retime(job)
+            elif op == "study":
+                reply = child.study(job)
             elif op == "copy_bw":
                 reply = child.copy_bandwidth(job)
             elif op == "ping":
@@ -370,6 +381,11 @@ class BenchWorker:
             self.restarts += 1
         reply["wall_s"] = time.perf_counter() - t0
         return reply
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (a new one after each restart), None before the first start."""
+        return self._proc.pid if self._proc is not None else None
 
     def _kill(self) -> None:
         proc, conn = self._proc, self._conn
