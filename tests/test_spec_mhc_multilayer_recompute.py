@@ -396,3 +396,17 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented():
     a = _args(L=65, P=65)
     with pytest.raises(NotImplementedError, match="num_layers \\(len\\(pre_mix_list\\)\\)=65"):
         tk.modeling.mhc.ops.mhc_multilayer_recompute(*a)
+
+
+def test_the_reference_replayed_by_token_chunks_equals_the_whole_replay(monkeypatch):
+    """The reference replays chunks of tokens (its float64 temporaries stay in cache): the same bits as one replay
+    of every token, at a count that leaves a partial last chunk."""
+    import tkjit_kernels.mhc.multilayer_recompute as mr
+
+    full = spec().canonical_shape({"num_tokens": 23, "mhc_mult": 4, "hidden": 64, "num_layers": 3, "num_post": 2})
+    inputs = spec().make_inputs(full, "cpu", 5)
+    whole = mr._recompute(*inputs)
+    monkeypatch.setattr(mr, "CHUNK_ELEMS", 5 * 4 * 64)  # 5 tokens a chunk: 4 full chunks and one of 3
+    chunked = mr.recompute(*inputs)
+    for a, b in zip(whole, chunked):
+        assert a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
