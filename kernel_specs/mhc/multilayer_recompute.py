@@ -222,7 +222,7 @@ def recompute(initial_residual, pre_mix, layer_output, post_mix, comb_mix):
     slower (19-25 s against 4.7-7.5 s at 1024 tokens x 4 x 2560 x 10 layers, 2 cores), minutes at the benchmark
     shapes."""
     t, m, h = initial_residual.shape
-    step = max(1, CHUNK_ELEMS // max(1, m * h))
+    step = max(1, CHUNK_ELEMS // (m * h))
     if t <= step:
         return _recompute(initial_residual, pre_mix, layer_output, post_mix, comb_mix)
     parts = [_recompute(initial_residual[i:i + step], pre_mix[:, i:i + step], layer_output[:, i:i + step],

@@ -94,7 +94,6 @@ class LocalEvaluator:
         # candidate's (timeout_s): a slow reference there was a "hang" that replaced the worker, which drew it again
         # for the next candidate, and so on (every candidate of mhc_multilayer_recompute's studies, 62 s each).
         self.study_timeout_s = study_timeout_s
-        self._drawn: tuple[Any, ...] | None = None  # (kernel, shape, worker pid) whose study data the worker holds
 
     def device_info(self) -> dict[str, Any]:
         return self.worker.start()
@@ -108,15 +107,12 @@ class LocalEvaluator:
             yield err
 
     def _study_data(self, spec, full) -> dict[str, Any] | None:
-        """Have the worker hold this study's inputs and reference (drawn again after a restart); None when it
-        does, else the failed reply, which the candidate about to run takes as its own."""
-        key = (spec.name, canonical_json(full, default=str))
-        if self._drawn is not None and self._drawn == (*key, self.worker.pid):
-            return None
+        """Have the worker hold this study's inputs and reference (it keeps the current study's: drawn once a
+        worker, an immediate reply after); None when it does, else the failed reply, which the candidate about
+        to run takes as its own."""
         r = self.worker.request({"op": "study", "kernel": spec.name, "shape": full}, timeout_s=self.study_timeout_s)
         if not r.get("ok"):
             return {**r, "error": f"drawing the study's inputs and reference: {r.get('error', '')}"}
-        self._drawn = (*key, self.worker.pid)
         return None
 
     def bench(self, spec, full, config, arch, seed, stop_above_us=None):

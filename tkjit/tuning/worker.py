@@ -382,11 +382,6 @@ class BenchWorker:
         reply["wall_s"] = time.perf_counter() - t0
         return reply
 
-    @property
-    def pid(self) -> int | None:
-        """The running child's process id (a new one after each restart), None before the first start."""
-        return self._proc.pid if self._proc is not None else None
-
     def _kill(self) -> None:
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None
