@@ -240,6 +240,25 @@ def test_backward_pieces_are_float64_autograd():
     assert rel(parts.sum(0), gfn) < TF32_RTOL
 
 
+def test_backward_token_ranges_follow_the_token_count_bucket(refs, monkeypatch):
+    """The op's fn-gradient token ranges: 16 from 4096 tokens, fewer below so a range of the count's power-of-two
+    bucket keeps >= 256 tokens (1024 tokens: 4 ranges of 256, not 16 of 64); the summed gradient is the same."""
+    from tkjit.torch_ops import pre_norm_fn_partials
+
+    assert [pre_norm_fn_partials(n) for n in (0, 1, 256, 257, 512, 1000, 1024, 1025, 2048, 4096, 1 << 20)] == \
+        [1, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+    ranges, served = [], tkjit.torch_ops.get
+    monkeypatch.setattr(tkjit.torch_ops, "get", lambda name, shape, **kw: (
+        ranges.append(shape.get("num_partials")), served(name, shape, **kw))[1])
+    for n in (6, 1000, 4096):
+        residual, fn, _, og = data(1, n, 2, 64, seed=n)
+        x = residual.view(n, 128)
+        _, out_mul, sqrsum = torch.ops.tkjit.mhc_pre_norm_fn.default(x, fn, 1e-6)
+        _, fn_grad = torch.ops.tkjit.mhc_pre_norm_fn_bwd.default(og.view(n, 8), out_mul, sqrsum, x, fn, 1e-6)
+        assert rel(fn_grad, float64_grads(residual, fn, None, 1e-6, og)[1]) < TF32_RTOL
+    assert ranges == [None, 1, None, 4, None, 16]  # (the forward's shape has no ranges)
+
+
 def test_ops_opcheck_and_fake(refs):
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -44,7 +44,7 @@ from tkjit.envs import CHECK_INDICES, flag
 from tkjit.errors import ConfigError, ShapeError, TensorError, TkjitError
 from tkjit.kernel import dtype_name, torch_dtype
 from tkjit.scales import tma_aligned
-from tkjit.spec import Align, CeilDiv
+from tkjit.spec import Align, CeilDiv, pow2_bucket
 
 
 def encode_config(config: Mapping | str | None) -> str | None:
@@ -2240,6 +2240,19 @@ engram_gate_bwd.register_autograd(_engram_gate_no_double_backward, setup_context
 # backward kernel does the GEMMs and writes per-range partials of fn's gradient, which the op sums in float32.
 
 PRE_NORM_FN_PARTIALS = 16
+PRE_NORM_FN_RANGE_TOKENS = 256
+
+
+def pre_norm_fn_partials(num_tokens: int) -> int:
+    """mhc_pre_norm_fn_bwd's token ranges for num_tokens: 16 (PRE_NORM_FN_PARTIALS) from 4096 tokens, halved below
+    that until a range of the count's power-of-two bucket holds >= 256 tokens (the bucket: the tuned DB's key, so
+    one bucket's winner serves every count in it). Each range's block loads fn's tile and writes a partial sum of
+    fn's gradient; at 1024 tokens 16 ranges of 64 tokens spent more on that than on x, and 4 ranges took 140 us
+    at hidden 7168 against 222 us (TileKernels 147; an H100, benchmarks/h200/2026-12-07_s26_h100_run1_sweeps.txt)."""
+    p, bucket = PRE_NORM_FN_PARTIALS, pow2_bucket(max(1, num_tokens))
+    while p > 1 and bucket < PRE_NORM_FN_RANGE_TOKENS * p:
+        p //= 2
+    return p
 
 
 def tf32_round(t: torch.Tensor) -> torch.Tensor:
@@ -2318,7 +2331,7 @@ def mhc_pre_norm_fn_bwd_impl(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=
         x_grad = torch.zeros_like(x)
     if n == 0:
         return x_grad, torch.zeros_like(fn)
-    shape = {"num_tokens": n, **static, "num_partials": PRE_NORM_FN_PARTIALS}
+    shape = {"num_tokens": n, **static, "num_partials": pre_norm_fn_partials(n)}
     k = get("mhc_pre_norm_fn_bwd", shape, arch=arch_of(x), config=_config(config))
     mul_grad, sqrsum_grad = pre_norm_fn_grads(out_grad.float(), out_mul, sqrsum, static["mhc_hidden"], float(norm_eps))
     x_grad, partial = k(mul_grad, sqrsum_grad, x, tf32_round(fn.contiguous()), x_grad)
@@ -2339,6 +2352,7 @@ mhc_pre_norm_fn_bwd = torch.library.custom_op(
 @mhc_pre_norm_fn_bwd.register_fake
 def _(out_grad, out_mul, sqrsum, x, fn, norm_eps, config=None):
     name = "mhc_pre_norm_fn_bwd"
+    # (any valid range count: the outputs' shapes do not depend on it, and a symbolic token count has none)
     static = {**_norm_fn_bwd_static(name, out_grad, out_mul, sqrsum, x, fn), "num_partials": PRE_NORM_FN_PARTIALS}
     _fake_check(name, static, out_mul, sqrsum, x, fn)  # (out_mul and sqrsum as the kernel's mul_grad, sqrsum_grad)
     return torch.empty_like(x), torch.empty_like(fn)

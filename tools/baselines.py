@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tkjit.torch_ops import pre_norm_fn_partials
+
 Shape = dict[str, Any]
 Factory = Callable[[Shape, tuple], Callable[[], Any] | None]
 
@@ -1337,7 +1339,9 @@ TILE_KERNELS.update({"mhc_pre_norm_fn": _norm_fn_tk, "mhc_pre_norm_fn_bwd": _nor
 # mhc_mult 4 (M = 24), hidden 4096 and 7168 (K = 16384, 28672), 1K to 8K tokens; mhc_mult 8 (M = 80) once.
 _NORM_FN_SHAPES = [{"num_tokens": t, "mhc_mult3": 24, "mhc_hidden": k} for k in (16384, 28672)
                    for t in (1024, 4096, 8192)] + [{"num_tokens": 4096, "mhc_mult3": 80, "mhc_hidden": 32768}]
-SHAPES.update({name: list(_NORM_FN_SHAPES) for name in ("mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd")})
+SHAPES["mhc_pre_norm_fn"] = list(_NORM_FN_SHAPES)
+# the backward with the op's token ranges for each token count (4 at 1024 tokens, 16 from 4096)
+SHAPES["mhc_pre_norm_fn_bwd"] = [{**s, "num_partials": pre_norm_fn_partials(s["num_tokens"])} for s in _NORM_FN_SHAPES]
 
 
 # -- per_token_cast_e2m1 (FP4, two codes per int8, float32 scales amax / 6) ------------------------------------

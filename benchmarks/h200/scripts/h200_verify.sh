@@ -24,7 +24,7 @@
 #             # adds torch.compile)
 #   profile   # where launch-bound calls spend their time ($KERNELS, default the routing counters),
 #             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py; PROFILE_ARGS=--ops adds tkjit.ops)
-#   tune      # a pretune of $KERNELS into the shipped DB, then the benchmark table of $BENCH (default
+#   tune      # a pretune of $KERNELS (the studies of $MANIFEST if set, else tools/manifest.toml's) into the shipped DB, then the benchmark table of $BENCH (default
 #             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
 #   ncu       # Nsight Compute, tkjit's kernel beside TileKernels' on one benchmark shape (tools/ncu_profile.py): $NCU_JOBS,
@@ -276,7 +276,7 @@ tune)
   # the shipped DB is tuned in a copy under $OUT, which the bench below serves from: each study's winner is
   # written as the study ends, so a run cut short by its time limit still brings back what it tuned
   rm -rf "$OUT/db" && cp -r tkjit/tuning_db_data "$OUT/db" && export TKJIT_TUNING_DB="$OUT/db"
-  timeout "${TUNE_TIMEOUT:-170}" python tools/pretune.py --kernels "$KERNELS" --update-shipped \
+  timeout "${TUNE_TIMEOUT:-170}" python tools/pretune.py --kernels "$KERNELS" ${MANIFEST:+--manifest "$MANIFEST"} --update-shipped \
     --time-budget "${TUNE_BUDGET:-8}" --json "$OUT/pretune.json" > "$OUT/pretune.txt" 2>&1
   echo "rc=$?" >> "$OUT/pretune.txt"
   BENCH=${BENCH:-$KERNELS}
