@@ -73,6 +73,13 @@ class Space:
     def __len__(self) -> int:
         return len(self.allowed)
 
+    def nearest_first(self, configs: Sequence[Config]) -> list[Config]:
+        """configs by how many parameters differ from the default, fewest first (ties keep their order): the
+        order an exhaustive study measures them in, so one that its time budget cuts short has measured the
+        default's neighbourhood, where its winners are, not the space's first layout only."""
+        default = self.default
+        return sorted(configs, key=lambda c: sum(c.get(k) != v for k, v in default.items()))
+
     def is_allowed(self, config: Mapping[str, Any]) -> bool:
         return config_id(config) in self.allowed_ids
 

@@ -678,7 +678,7 @@ class _Study:
         # Then the warm start (neighbouring shapes' winners), before the sampler's first proposal.
         queue += [c for c in self.warm if config_id(c) not in busy and config_id(c) != did]
         if self.mode == "exhaustive":
-            queue += [c for c in untried if config_id(c) != did]
+            queue += self.space.nearest_first([c for c in untried if config_id(c) != did])
         misses = 0
         while len(out) < want:
             fixed = None
