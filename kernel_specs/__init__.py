@@ -60,6 +60,7 @@ INDEX = {
     "swiglu_forward_and_per_channel_cast": "tkjit_kernels.quant.swiglu_forward_and_per_channel_cast_and_transpose",
     "mhc_pre_norm_fn": "tkjit_kernels.mhc.pre_norm_fn",
     "mhc_pre_norm_fn_bwd": "tkjit_kernels.mhc.pre_norm_fn_bwd",
+    "mhc_pre_norm_fn_split": "tkjit_kernels.mhc.pre_norm_fn_split",
     "per_token_cast_e2m1": "tkjit_kernels.quant.per_token_cast_e2m1",
     "per_token_cast_e2m1_colmajor": "tkjit_kernels.quant.per_token_cast_e2m1",
     "mhc_multilayer_recompute": "tkjit_kernels.mhc.multilayer_recompute",

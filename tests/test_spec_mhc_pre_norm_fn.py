@@ -21,7 +21,7 @@ from ptxas import ptxas_usage  # noqa: E402
 from reference_kernels import serve_references  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("module_cache")
-FWD, BWD = "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd"
+FWD, BWD, SPLIT = "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd", "mhc_pre_norm_fn_split"
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 # TF32: fn (and the backward's GEMM operand) keep 10 mantissa bits, a relative error up to 2^-11 each;
 # summed over K terms of random sign the outputs' relative L2 error against float64 is about 2^-11 / sqrt(3).
@@ -125,6 +125,39 @@ def test_mma_layout_compiles_to_tf32_tensor_core_gemm_for_sm90a():
     k = tkjit.get(FWD, {"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 16384}, arch="sm_90a", config=MMA)
     src = (k.path / "kernel.cu").read_text()
     assert "mma_sync<tl::DataType::kTensorFloat32" in src and "cp_async" in src
+
+
+def test_split_spec_space_shapes_and_reference():
+    """mhc_pre_norm_fn_split: whole 64-column steps a K range, mhc_mult3 <= 32, the forward's tensor-core default
+    with the widest step dividing a range; its partial sums add up to the forward's reference out_mul and
+    sqrsum."""
+    spec = tkjit.get_spec(SPLIT)
+    full = spec.canonical_shape({"num_tokens": 1024, "mhc_mult3": 24, "mhc_hidden": 28672, "k_splits": 8})
+    assert spec.default_config(full, "sm_90a") == {"warps": 4, "block_tokens": 32, "block_k": 256, "stages": 2,
+                                                   "swizzle": True}
+    odd = spec.canonical_shape({"num_tokens": 5, "mhc_mult3": 8, "mhc_hidden": 1536, "k_splits": 3})  # 512 a range
+    assert spec.default_config(odd, "sm_90a")["block_k"] == 256
+    assert spec.default_config({**odd, "k_splits": 4}, "sm_90a")["block_k"] == 128  # 384 a range
+    with pytest.raises(ShapeError, match="multiple of 64 \\* k_splits"):
+        tkjit.get(SPLIT, {"num_tokens": 5, "mhc_mult3": 8, "mhc_hidden": 1536, "k_splits": 5}, arch="sm_90a")
+    with pytest.raises(ShapeError, match="mhc_mult3"):
+        tkjit.get(SPLIT, {"num_tokens": 5, "mhc_mult3": 80, "mhc_hidden": 1536, "k_splits": 2}, arch="sm_90a")
+    shape = {"num_tokens": 7, "mhc_mult3": 8, "mhc_hidden": 768, "k_splits": 3}
+    x, fn = spec.make_inputs(shape, "cpu", 1)
+    partial = spec.reference(shape, x, fn)
+    assert partial.shape == (3, 7, 9)
+    _, out_mul, sqrsum = tkjit.get_spec(FWD).reference({**shape, "norm_eps": 1e-6}, x, fn)
+    assert torch.allclose(partial.double().sum(0)[:, :8], out_mul.double(), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(partial.double().sum(0)[:, 8], sqrsum.double(), rtol=1e-6)
+
+
+def test_split_compiles_to_the_forwards_tensor_core_sums_for_sm90a():
+    """The split kernel's blocks run the forward's tensor-core sums over their K range (a grid dimension per
+    range), without spilling registers at its default."""
+    k = tkjit.get(SPLIT, {"num_tokens": 1024, "mhc_mult3": 24, "mhc_hidden": 28672, "k_splits": 8}, arch="sm_90a")
+    src = (k.path / "kernel.cu").read_text()
+    assert "mma_sync<tl::DataType::kTensorFloat32" in src and "cp_async" in src and "blockIdx.y" in src
+    assert ptxas_usage(k.path / "kernel.cu")["spill"] == 0
 
 
 def test_forward_inputs_hold_tf32_fn_as_the_op_passes_it():

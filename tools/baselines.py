@@ -1342,6 +1342,12 @@ _NORM_FN_SHAPES = [{"num_tokens": t, "mhc_mult3": 24, "mhc_hidden": k} for k in 
 SHAPES["mhc_pre_norm_fn"] = list(_NORM_FN_SHAPES)
 # the backward with the op's token ranges for each token count (4 at 1024 tokens, 16 from 4096)
 SHAPES["mhc_pre_norm_fn_bwd"] = [{**s, "num_partials": pre_norm_fn_partials(s["num_tokens"])} for s in _NORM_FN_SHAPES]
+# the split forward where the forward's 32-token tiles leave SMs idle (its inputs are the forward's: the same
+# baselines, which also compute out from the sums)
+SHAPES["mhc_pre_norm_fn_split"] = [{"num_tokens": 1024, "mhc_mult3": 24, "mhc_hidden": k, "k_splits": s}
+                                   for k in (16384, 28672) for s in (4, 8)] + \
+    [{"num_tokens": 4096, "mhc_mult3": 24, "mhc_hidden": 28672, "k_splits": 2}]
+TORCH["mhc_pre_norm_fn_split"], TILE_KERNELS["mhc_pre_norm_fn_split"] = _norm_fn_torch, _norm_fn_tk
 
 
 # -- per_token_cast_e2m1 (FP4, two codes per int8, float32 scales amax / 6) ------------------------------------

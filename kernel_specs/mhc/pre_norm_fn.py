@@ -96,20 +96,26 @@ def constraint(shape, c):
             return f"layout=mma: mhc_mult3={m} > {MMA_N}, the GEMM's width"
         if k % c["block_k"]:
             return f"layout=mma: mhc_hidden={k} is not a multiple of block_k={c['block_k']}"
-        if c["warps"] not in (4, 8) or c["block_tokens"] < 8 * c["warps"]:
-            return "layout=mma: 4 or 8 warps, and block_tokens >= 8 * warps (each warp's GEMM rows)"
-        if c["block_tokens"] * c["block_k"] > 8192:
-            # The widened x tile lives in registers: 64 x 256 spills (ptxas: 172-304 bytes at 4 or 8 warps).
-            return "layout=mma: block_tokens * block_k > 8192 (the float32 x tile spills registers)"
-        if (c["block_tokens"] * 2 + MMA_N * 4) * c["block_k"] * max(1, c["stages"]) > 160 * 1024:
-            return "layout=mma: the pipelined x and fn tiles exceed 160 KB of shared memory"
-        return None
+        problem = mma_tile_problem(c)
+        return f"layout=mma: {problem}" if problem else None
     if any(c[key] != val for key, val in MMA_ONLY.items()):
         return "layout=lanes: block_tokens=32, block_k=64, stages=1, swizzle=False only (it does not use them)"
     if k % (32 * v):
         return f"vec={v}: mhc_hidden={k} is not a multiple of 32 * vec (one warp access of vec elements a lane)"
     if tpw * (m + 1) + tpw * v > 160:
         return f"tokens_per_warp={tpw} keeps {tpw * (m + 1)} float32 sums a lane at mhc_mult3={m}: too many registers"
+    return None
+
+
+def mma_tile_problem(c):
+    """Why the mma layout's tiles (mma_sums) cannot take config c, or None."""
+    if c["warps"] not in (4, 8) or c["block_tokens"] < 8 * c["warps"]:
+        return "4 or 8 warps, and block_tokens >= 8 * warps (each warp's GEMM rows)"
+    if c["block_tokens"] * c["block_k"] > 8192:
+        # The widened x tile lives in registers: 64 x 256 spills (ptxas: 172-304 bytes at 4 or 8 warps).
+        return "block_tokens * block_k > 8192 (the float32 x tile spills registers)"
+    if (c["block_tokens"] * 2 + MMA_N * 4) * c["block_k"] * max(1, c["stages"]) > 160 * 1024:
+        return "the pipelined x and fn tiles exceed 160 KB of shared memory"
     return None
 
 
@@ -137,13 +143,12 @@ def _build_mma(shape, c):
     layout's. `swizzle` stores the x tile in TileKernels' swizzled shared layout, which spares the widening
     copy to registers its bank conflicts: 1.9x faster on an H100 at 4096 x 16384 (132.4 against 246.0 us)."""
     from tilelang import language as T
-    from tilelang.layout import make_swizzled_layout
 
     M, K, eps = shape["mhc_mult3"], shape["mhc_hidden"], shape["norm_eps"]
-    bm, bk, threads, stages = c["block_tokens"], c["block_k"], 32 * c["warps"], c["stages"]
+    bm, threads = c["block_tokens"], 32 * c["warps"]
     num_tokens = T.dynamic("num_tokens")
     f32, bf16 = T.float32, T.bfloat16
-    parts = 4  # square-sum partials a token, summed at the end
+    sums = mma_sums(c, K)
 
     @T.prim_func
     def mhc_pre_norm_fn(
@@ -155,29 +160,8 @@ def _build_mma(shape, c):
     ):
         with T.Kernel(T.ceildiv(num_tokens, bm), threads=threads) as bx:
             acc = T.alloc_fragment((bm, MMA_N), f32)
-            sq_part = T.alloc_fragment((bm, parts), f32)
             sq = T.alloc_fragment((bm,), f32)
-            T.clear(acc)
-            T.clear(sq_part)
-            for kk in T.Pipelined(K // bk, num_stages=stages):
-                xs = T.alloc_shared((bm, bk), bf16)
-                fs = T.alloc_shared((MMA_N, bk), f32)
-                if c["swizzle"]:  # TileKernels' layout of the x tile (see the docstring)
-                    T.annotate_layout({xs: make_swizzled_layout(xs)})
-                T.copy(x[bx * bm, kk * bk], xs)  # rows past num_tokens read as zeros, stored nowhere
-                # fn's M rows and MMA_N - M more: the copy's bounds check leaves those rows zero (or any value:
-                # they only meet GEMM columns >= M, which are never stored). A plain copy, so the pipeline
-                # fetches it asynchronously with x; filled element-wise it was a synchronous load a step.
-                T.copy(fn[0, kk * bk], fs)
-                xh = T.alloc_fragment((bm, bk), bf16)
-                T.copy(xs, xh)
-                xf = T.alloc_fragment((bm, bk), f32)
-                T.copy(xh, xf)
-                for jj in T.serial(bk // parts):
-                    for i, j in T.Parallel(bm, parts):
-                        sq_part[i, j] += xf[i, jj * parts + j] * xf[i, jj * parts + j]
-                T.gemm(xf, fs, acc, transpose_B=True)
-            T.reduce_sum(sq_part, sq, dim=1)
+            sums(x, fn, acc, sq, bx * bm, 0)
             for i, m in T.Parallel(bm, MMA_N):
                 if m < M and bx * bm + i < num_tokens:
                     out_mul[bx * bm + i, m] = acc[i, m]
@@ -187,6 +171,46 @@ def _build_mma(shape, c):
                     sqrsum[bx * bm + i] = sq[i]
 
     return mhc_pre_norm_fn
+
+
+def mma_sums(c, k_len):
+    """The mma layout's sums as a TileLang macro sums(x, fn, acc, sq, row0, col0): acc (block_tokens, MMA_N)
+    float32 <- x[row0:, col0:col0 + k_len] @ fn[:, same]^T and sq (block_tokens,) <- the same columns' square
+    sums, for block_tokens rows from row0 (rows past x's read as zeros), over k_len / block_k pipelined steps
+    (see _build_mma). mhc_pre_norm_fn sums a row's whole K; mhc_pre_norm_fn_split one K range a block."""
+    from tilelang import language as T
+    from tilelang.layout import make_swizzled_layout
+
+    bm, bk, stages = c["block_tokens"], c["block_k"], c["stages"]
+    f32, bf16 = T.float32, T.bfloat16
+    parts = 4  # square-sum partials a token, summed at the end
+
+    @T.macro
+    def sums(x, fn, acc, sq, row0, col0):
+        sq_part = T.alloc_fragment((bm, parts), f32)
+        T.clear(acc)
+        T.clear(sq_part)
+        for kk in T.Pipelined(k_len // bk, num_stages=stages):
+            xs = T.alloc_shared((bm, bk), bf16)
+            fs = T.alloc_shared((MMA_N, bk), f32)
+            if c["swizzle"]:  # TileKernels' layout of the x tile (see _build_mma)
+                T.annotate_layout({xs: make_swizzled_layout(xs)})
+            T.copy(x[row0, col0 + kk * bk], xs)  # rows past num_tokens read as zeros, stored nowhere
+            # fn's M rows and MMA_N - M more: the copy's bounds check leaves those rows zero (or any value:
+            # they only meet GEMM columns >= M, which are never stored). A plain copy, so the pipeline
+            # fetches it asynchronously with x; filled element-wise it was a synchronous load a step.
+            T.copy(fn[0, col0 + kk * bk], fs)
+            xh = T.alloc_fragment((bm, bk), bf16)
+            T.copy(xs, xh)
+            xf = T.alloc_fragment((bm, bk), f32)
+            T.copy(xh, xf)
+            for jj in T.serial(bk // parts):
+                for i, j in T.Parallel(bm, parts):
+                    sq_part[i, j] += xf[i, jj * parts + j] * xf[i, jj * parts + j]
+            T.gemm(xf, fs, acc, transpose_B=True)
+        T.reduce_sum(sq_part, sq, dim=1)
+
+    return sums
 
 
 def _build_lanes(shape, c):

@@ -1,5 +1,6 @@
-"""mhc_pre_norm_fn / mhc_pre_norm_fn_bwd on the GPU: every config of both spaces against the float64 references,
-the default configs at TileKernels' shapes (mhc_mult 4, hidden 1280 to 7168, 1K to 8K tokens) and odd ones,
+"""mhc_pre_norm_fn / mhc_pre_norm_fn_bwd (and mhc_pre_norm_fn_split) on the GPU: every config of their spaces
+against the float64 references, the default configs at TileKernels' shapes (mhc_mult 4, hidden 1280 to 7168, 1K
+to 8K tokens) and odd ones,
 the compat op (forward and autograd) against float64 autograd of TileKernels' torch reference at TF32
 tolerance and against the TileKernels package (same TF32 rounding of fn: float32 rounding apart), fuse_grad_acc,
 and the ops under opcheck and torch.compile."""
@@ -13,7 +14,7 @@ from tkjit.compat import tile_kernels as compat
 from tkjit.testing import check, check_configs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cache")]
-FWD, BWD = "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd"
+FWD, BWD, SPLIT = "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd", "mhc_pre_norm_fn_split"
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 TF32_RTOL = 2e-3  # fn and the backward's GEMM operand rounded to TF32, as TileKernels' kernels do
 TK_SHAPES = [(1, 1024, 4, 1280), (2, 4096, 4, 4096), (1, 8192, 4, 7168)]
@@ -55,6 +56,21 @@ def test_every_config_in_the_space(name):
     shapes = [{"num_tokens": 8192, "mhc_mult3": 24, "mhc_hidden": 4096}]
     failures = check_configs(name, shapes, sizes, seeds=(0, 1))
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+
+
+def test_split_every_config_and_its_sums_are_the_forwards():
+    """mhc_pre_norm_fn_split: every config against its float64 reference (token counts off the tile, one token),
+    then its partial sums, summed, against the forward kernel's out_mul and sqrsum (TF32 sums in other orders)."""
+    sizes = [{"num_tokens": 1000}, {"num_tokens": 1}, {"num_tokens": 4096}]
+    shapes = [{"num_tokens": 1024, "mhc_mult3": 24, "mhc_hidden": 16384, "k_splits": 8},
+              {"num_tokens": 1024, "mhc_mult3": 8, "mhc_hidden": 1536, "k_splits": 3}]
+    failures = check_configs(SPLIT, shapes, sizes, seeds=(0, 1))
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    shape = {"num_tokens": 1000, "mhc_mult3": 24, "mhc_hidden": 28672}
+    x, fn = tkjit.get_spec(FWD).make_inputs({**shape, "norm_eps": 1e-6}, "cuda", 1)
+    _, out_mul, sqrsum = tkjit.get(FWD, shape)(x, fn)
+    partial = tkjit.get(SPLIT, {**shape, "k_splits": 8})(x, fn).sum(0)
+    assert rel(partial[:, :24], out_mul) < 1e-5 and rel(partial[:, 24], sqrsum) < 1e-5
 
 
 @pytest.mark.parametrize("name", [FWD, BWD])
