@@ -24,8 +24,9 @@
 #             # adds torch.compile)
 #   profile   # where launch-bound calls spend their time ($KERNELS, default the routing counters),
 #             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py; PROFILE_ARGS=--ops adds tkjit.ops)
-#   tune      # a pretune of $KERNELS (the studies of $MANIFEST if set, else tools/manifest.toml's) into the shipped DB, then the benchmark table of $BENCH (default
-#             # $KERNELS; COMPILE=1 adds torch.compile), then host cost and the routing chain (CUDA graph)
+#   tune      # a pretune of $KERNELS (the studies of $MANIFEST if set, else tools/manifest.toml's) into the
+#             # shipped DB, then the benchmark table of $BENCH (default $KERNELS; COMPILE=1 adds torch.compile),
+#             # then host cost and the routing chain (CUDA graph)
 #   final     # what `tests` and `sampler` left: the autograd test, the rest of the files, launch floor
 #   ncu       # Nsight Compute, tkjit's kernel beside TileKernels' on one benchmark shape (tools/ncu_profile.py): $NCU_JOBS,
 #             # "kernel:shape-index[:tkjit config JSON]" separated by ";" (default get_fused_mapping at 8192 tokens);
