@@ -50,6 +50,8 @@
 #             # benchmark table of the five compat ops (COMPILE=1 adds torch.compile)
 #   cudart    # the GPU test files under TKJIT_LAUNCHER=cudart, a third a run ($PART 1-3, or $FILES); PART=1 first
 #             # times host cost and cold start under both launchers
+#   split     # mhc_pre_norm_fn_split: its GPU test, the forward's paths at small token counts timed whole beside
+#             # TileKernels' op (scripts/norm_fn_split.py), then its sweeps (scripts/sweeps_s27.txt)
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -248,6 +250,13 @@ s9)
   else
     FILES=$FILES TEST_TIMEOUT=${TEST_TIMEOUT:-240} bash "$0" parallel
   fi
+  ;;
+split)
+  FILES="mhc_pre_norm_fn:split" TEST_TIMEOUT=${TEST_TIMEOUT:-240} bash "$0" parallel
+  timeout "${SPLIT_TIMEOUT:-150}" python benchmarks/h200/scripts/norm_fn_split.py --json "$OUT/norm_fn_split.json" \
+    > "$OUT/norm_fn_split.txt" 2>&1; echo "rc=$?" >> "$OUT/norm_fn_split.txt"
+  cat "$OUT/norm_fn_split.txt"
+  SWEEPS_FILE=${SWEEPS_FILE:-benchmarks/h200/scripts/sweeps_s27.txt} SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-60} bash "$0" sweeps
   ;;
 sweeps)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""mhc_pre_norm_fn's forward at small token counts, whole-op figures for choosing between its two paths:
+the forward kernel (out, out_mul, sqrsum in one launch) against mhc_pre_norm_fn_split (k_splits K ranges) plus
+the sums and the norm in torch, and TileKernels' op, on the same inputs (fn already TF32, as the op passes it).
+
+    python benchmarks/h200/scripts/norm_fn_split.py [--tokens 256 512 1024 2048 4096] [--json out.json]
+
+Each path is checked against the forward kernel's outputs first. Median of CUDA-event runs, L2 flushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools"))
+
+from baselines import _norm_fn_tk  # noqa: E402
+
+import tkjit  # noqa: E402
+from tkjit.timing import median, rel_spread, time_cuda  # noqa: E402
+
+FWD, SPLIT, M, EPS = "mhc_pre_norm_fn", "mhc_pre_norm_fn_split", 24, 1e-6
+
+
+def split_path(x, fn, k_splits: int):
+    """The op's split path: the split kernel's partial sums, added in float32, then out as the forward's."""
+    kernel = tkjit.get(SPLIT, {"num_tokens": x.shape[0], "mhc_mult3": M, "mhc_hidden": x.shape[1],
+                               "k_splits": k_splits})
+
+    def run():
+        sums = kernel(x, fn).sum(0)
+        out_mul, sqrsum = sums[:, :M].contiguous(), sums[:, M].contiguous()
+        return out_mul * torch.rsqrt(sqrsum / x.shape[1] + EPS).unsqueeze(-1), out_mul, sqrsum
+
+    return run, lambda: kernel(x, fn)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
+    ap.add_argument("--hidden", type=int, nargs="*", default=[16384, 28672])
+    ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = []
+    print(f"# {torch.cuda.get_device_name()}  us, median of {a.reps} (spread)")
+    for k in a.hidden:
+        for n in a.tokens:
+            shape = {"num_tokens": n, "mhc_mult3": M, "mhc_hidden": k, "norm_eps": EPS}
+            x, fn = tkjit.get_spec(FWD).make_inputs(shape, "cuda", 1)
+            fwd = tkjit.get(FWD, shape)
+            want = fwd(x, fn)
+            paths = {"forward": lambda fwd=fwd, x=x, fn=fn: fwd(x, fn)}
+            tk = _norm_fn_tk(shape, (x, fn))
+            if tk is not None:
+                paths["TileKernels"] = tk
+            for s in a.splits:
+                if k % (64 * s) == 0:
+                    run, kernel_only = split_path(x, fn, s)
+                    got = run()
+                    errs = [rel(g, w) for g, w in zip(got, want)]
+                    if max(errs) > 1e-5:
+                        print(f"{n} x {k} split {s}: WRONG (relative errors {errs})")
+                        continue
+                    paths[f"split {s}"], paths[f"split {s} kernel"] = run, kernel_only
+            for name, fn_ in paths.items():
+                ts = time_cuda(fn_, reps=a.reps)
+                rows.append({"num_tokens": n, "mhc_hidden": k, "path": name, "us": median(ts),
+                             "spread": rel_spread(ts)})
+                print(f"{n:6d} x {k:6d}  {name:16s} {median(ts):9.2f}  ({100 * rel_spread(ts):.1f}%)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
