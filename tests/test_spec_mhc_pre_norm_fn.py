@@ -151,6 +151,33 @@ def test_split_spec_space_shapes_and_reference():
     assert torch.allclose(partial.double().sum(0)[:, 8], sqrsum.double(), rtol=1e-6)
 
 
+def test_the_op_splits_k_where_told_and_returns_the_forwards_outputs(monkeypatch):
+    """Up to PRE_NORM_FN_SPLIT_TOKENS tokens (0, never, until the paths are timed on a GPU) the op runs the split
+    kernel and adds its ranges' sums in torch: the forward's three outputs, float64 autograd's gradients."""
+    from tkjit import torch_ops
+    from tkjit.torch_ops import pre_norm_fn_splits
+
+    assert torch_ops.PRE_NORM_FN_SPLIT_TOKENS == 0 and pre_norm_fn_splits(1024, 24, 16384) == 1
+    monkeypatch.setattr(torch_ops, "PRE_NORM_FN_SPLIT_TOKENS", 2048)
+    # 32-token tiles of the bucket times the ranges <= 264 blocks; whole 64-column ranges; mhc_mult3 <= 32
+    assert [pre_norm_fn_splits(n, 24, 16384) for n in (0, 1, 1000, 1024, 1025, 2048, 2049)] == [1, 8, 8, 8, 4, 4, 1]
+    assert pre_norm_fn_splits(100, 24, 384) == 2 and pre_norm_fn_splits(100, 24, 96) == 1
+    assert pre_norm_fn_splits(100, 80, 16384) == 1
+    serve_references(monkeypatch, (FWD, BWD, SPLIT))
+    got, served = [], torch_ops.get
+    monkeypatch.setattr(torch_ops, "get", lambda name, shape, **kw: (
+        got.append((name, shape.get("k_splits"))), served(name, shape, **kw))[1])
+    residual, fn, _, og = data(1, 300, 4, 256, seed=5)  # K = 1024: 8 ranges of 128 columns
+    x = residual.view(300, 1024)
+    out, out_mul, sqrsum = torch.ops.tkjit.mhc_pre_norm_fn.default(x, fn, 1e-6)
+    assert got == [(SPLIT, 8)]
+    want = tkjit.get_spec(FWD).reference({"mhc_hidden": 1024, "norm_eps": 1e-6}, x, tf32_round(fn))
+    for a, b in zip((out, out_mul, sqrsum), want):
+        assert a.shape == b.shape and a.is_contiguous() and rel(a, b) < 1e-6
+    ref = tk_ref(*(t.double().requires_grad_() for t in (residual, fn)), None, 1e-6)
+    assert rel(tkjit.ops.mhc_pre_norm_fn(residual, fn, None, 1e-6, fuse_grad_acc=False), ref) < TF32_RTOL
+
+
 def test_split_compiles_to_the_forwards_tensor_core_sums_for_sm90a():
     """The split kernel's blocks run the forward's tensor-core sums over their K range (a grid dimension per
     range), without spilling registers at its default."""

@@ -2270,13 +2270,45 @@ def _norm_fn_static(name, x, fn) -> dict:
     return {"mhc_mult3": int(fn.shape[0]), "mhc_hidden": int(x.shape[1])}
 
 
+# The forward's K split (mhc_pre_norm_fn_split) at token counts whose 32-token tiles leave most SMs idle: the op
+# takes it up to PRE_NORM_FN_SPLIT_TOKENS tokens. 0 (never) until the two paths are timed whole on a GPU
+# (benchmarks/h200/scripts/norm_fn_split.py); the split kernel has not run on one yet.
+PRE_NORM_FN_SPLIT_TOKENS = 0
+PRE_NORM_FN_SPLIT_BLOCKS = 264  # two blocks for each of 132 SMs
+
+
+def pre_norm_fn_splits(num_tokens: int, mhc_mult3: int, mhc_hidden: int) -> int:
+    """The forward's K ranges for a token count (1: the unsplit kernel): the most of 8, 4, 2 whose blocks (32-token
+    tiles of the count's power-of-two bucket, times the ranges) stay within PRE_NORM_FN_SPLIT_BLOCKS and whose
+    ranges are whole 64-column steps; the split kernel's tensor-core sums take mhc_mult3 <= 32."""
+    if not 0 < num_tokens <= PRE_NORM_FN_SPLIT_TOKENS or mhc_mult3 > 32:
+        return 1
+    tiles = -(-pow2_bucket(num_tokens) // 32)
+    return next((s for s in (8, 4, 2) if mhc_hidden % (64 * s) == 0 and tiles * s <= PRE_NORM_FN_SPLIT_BLOCKS), 1)
+
+
+def pre_norm_fn_split(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, k_splits: int):
+    """mhc_pre_norm_fn's (out, out_mul, sqrsum) through mhc_pre_norm_fn_split over k_splits K ranges (num_tokens >
+    0): the ranges' partial sums added in float32, then out as the forward kernel computes it."""
+    static = _norm_fn_static("mhc_pre_norm_fn", x, fn)
+    m, k_len = static["mhc_mult3"], static["mhc_hidden"]
+    k = get("mhc_pre_norm_fn_split", {**static, "num_tokens": int(x.shape[0]), "k_splits": k_splits},
+            arch=arch_of(x))
+    sums = k(x, tf32_round(fn.contiguous())).sum(0)
+    out_mul, sqrsum = sums[:, :m].contiguous(), sums[:, m].contiguous()
+    return out_mul * torch.rsqrt(sqrsum / k_len + float(norm_eps)).unsqueeze(-1), out_mul, sqrsum
+
+
 def mhc_pre_norm_fn_impl(x, fn, norm_eps, config=None, bwd_config=None):
     """(out, out_mul, sqrsum) float32 of x (num_tokens, K) bf16 and fn (M, K) float32 (rounded to TF32 here)."""
     static = _norm_fn_static("mhc_pre_norm_fn", x, fn)
-    shape = {"num_tokens": max(1, int(x.shape[0])), **static, "norm_eps": float(norm_eps)}
+    n, m, k_len = int(x.shape[0]), static["mhc_mult3"], static["mhc_hidden"]
+    shape = {"num_tokens": max(1, n), **static, "norm_eps": float(norm_eps)}
+    splits = pre_norm_fn_splits(n, m, k_len) if config is None else 1  # (a config names the forward's)
+    if splits > 1:
+        return pre_norm_fn_split(x, fn, norm_eps, splits)
     k = get("mhc_pre_norm_fn", shape, arch=arch_of(x), config=_config(config))
-    if x.shape[0] == 0:
-        n, m = 0, static["mhc_mult3"]
+    if n == 0:
         return x.new_empty((n, m), dtype=torch.float32), x.new_empty((n, m), dtype=torch.float32), \
             x.new_empty((n,), dtype=torch.float32)
     return k(x, tf32_round(fn.contiguous()))

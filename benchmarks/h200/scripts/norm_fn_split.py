@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""mhc_pre_norm_fn's forward at small token counts, whole-op figures for choosing between its two paths:
-the forward kernel (out, out_mul, sqrsum in one launch) against mhc_pre_norm_fn_split (k_splits K ranges) plus
-the sums and the norm in torch, and TileKernels' op, on the same inputs (fn already TF32, as the op passes it).
+"""mhc_pre_norm_fn's forward at small token counts, whole-op figures for choosing between the op's two paths
+(`tkjit.torch_ops.PRE_NORM_FN_SPLIT_TOKENS`): the forward kernel (out, out_mul, sqrsum in one launch) against
+mhc_pre_norm_fn_split over k_splits K ranges plus the sums and the norm in torch (`pre_norm_fn_split`), beside
+TileKernels' op, on the same inputs (fn already TF32).
 
     python benchmarks/h200/scripts/norm_fn_split.py [--tokens 256 512 1024 2048 4096] [--json out.json]
 
@@ -11,6 +12,7 @@ Each path is checked against the forward kernel's outputs first. Median of CUDA-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,22 +24,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from baselines import _norm_fn_tk  # noqa: E402
 
 import tkjit  # noqa: E402
+from tkjit import torch_ops  # noqa: E402
 from tkjit.timing import median, rel_spread, time_cuda  # noqa: E402
 
 FWD, SPLIT, M, EPS = "mhc_pre_norm_fn", "mhc_pre_norm_fn_split", 24, 1e-6
-
-
-def split_path(x, fn, k_splits: int):
-    """The op's split path: the split kernel's partial sums, added in float32, then out as the forward's."""
-    kernel = tkjit.get(SPLIT, {"num_tokens": x.shape[0], "mhc_mult3": M, "mhc_hidden": x.shape[1],
-                               "k_splits": k_splits})
-
-    def run():
-        sums = kernel(x, fn).sum(0)
-        out_mul, sqrsum = sums[:, :M].contiguous(), sums[:, M].contiguous()
-        return out_mul * torch.rsqrt(sqrsum / x.shape[1] + EPS).unsqueeze(-1), out_mul, sqrsum
-
-    return run, lambda: kernel(x, fn)
 
 
 def rel(a, b):
@@ -58,21 +48,23 @@ def main() -> int:
         for n in a.tokens:
             shape = {"num_tokens": n, "mhc_mult3": M, "mhc_hidden": k, "norm_eps": EPS}
             x, fn = tkjit.get_spec(FWD).make_inputs(shape, "cuda", 1)
-            fwd = tkjit.get(FWD, shape)
-            want = fwd(x, fn)
-            paths = {"forward": lambda fwd=fwd, x=x, fn=fn: fwd(x, fn)}
+            want = tkjit.get(FWD, shape)(x, fn)
+            # the op's two paths (fn rounded to TF32 in torch on both: a no-op on these values, as in the op)
+            paths = {"forward": lambda x=x, fn=fn: torch_ops.mhc_pre_norm_fn_impl(x, fn, EPS)}
             tk = _norm_fn_tk(shape, (x, fn))
             if tk is not None:
                 paths["TileKernels"] = tk
             for s in a.splits:
                 if k % (64 * s) == 0:
-                    run, kernel_only = split_path(x, fn, s)
+                    run = functools.partial(torch_ops.pre_norm_fn_split, x, fn, EPS, s)
+                    kernel = tkjit.get(SPLIT, {"num_tokens": n, "mhc_mult3": M, "mhc_hidden": k, "k_splits": s})
                     got = run()
                     errs = [rel(g, w) for g, w in zip(got, want)]
                     if max(errs) > 1e-5:
                         print(f"{n} x {k} split {s}: WRONG (relative errors {errs})")
                         continue
-                    paths[f"split {s}"], paths[f"split {s} kernel"] = run, kernel_only
+                    paths[f"split {s}"] = run
+                    paths[f"split {s} kernel"] = functools.partial(kernel, x, fn)
             for name, fn_ in paths.items():
                 ts = time_cuda(fn_, reps=a.reps)
                 rows.append({"num_tokens": n, "mhc_hidden": k, "path": name, "us": median(ts),
