@@ -2,7 +2,8 @@
 
     result = tune("sinkhorn_fwd", {"num_tokens": 65536, "n": 4}, arch="sm_90a")
 
-Search: small spaces (<= exhaustive_max allowed configs) are enumerated, large ones use TPE over
+Search: small spaces (<= exhaustive_max allowed configs) are enumerated, nearest the heuristic default first
+(so a study its time budget cuts short has searched the default's neighbourhood), large ones use TPE over
 ordinal encodings of the tunables. The heuristic default is always the first trial. A suggested
 config the constraints reject is pruned before compiling and not counted; a config already
 measured is not measured again. Candidates compile in parallel batches, then run one at a time in
