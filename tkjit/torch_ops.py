@@ -2287,10 +2287,11 @@ def pre_norm_fn_splits(num_tokens: int, mhc_mult3: int, mhc_hidden: int) -> int:
     return next((s for s in (8, 4, 2) if mhc_hidden % (64 * s) == 0 and tiles * s <= PRE_NORM_FN_SPLIT_BLOCKS), 1)
 
 
-def pre_norm_fn_split(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, k_splits: int):
+def pre_norm_fn_split(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, k_splits: int, static=None):
     """mhc_pre_norm_fn's (out, out_mul, sqrsum) through mhc_pre_norm_fn_split over k_splits K ranges (num_tokens >
-    0): the ranges' partial sums added in float32, then out as the forward kernel computes it."""
-    static = _norm_fn_static("mhc_pre_norm_fn", x, fn)
+    0): the ranges' partial sums added in float32, then out as the forward kernel computes it. static: the checked
+    static shape, where the caller has it."""
+    static = static or _norm_fn_static("mhc_pre_norm_fn", x, fn)
     m, k_len = static["mhc_mult3"], static["mhc_hidden"]
     k = get("mhc_pre_norm_fn_split", {**static, "num_tokens": int(x.shape[0]), "k_splits": k_splits},
             arch=arch_of(x))
@@ -2306,7 +2307,7 @@ def mhc_pre_norm_fn_impl(x, fn, norm_eps, config=None, bwd_config=None):
     shape = {"num_tokens": max(1, n), **static, "norm_eps": float(norm_eps)}
     splits = pre_norm_fn_splits(n, m, k_len) if config is None else 1  # (a config names the forward's)
     if splits > 1:
-        return pre_norm_fn_split(x, fn, norm_eps, splits)
+        return pre_norm_fn_split(x, fn, norm_eps, splits, static)
     k = get("mhc_pre_norm_fn", shape, arch=arch_of(x), config=_config(config))
     if n == 0:
         return x.new_empty((n, m), dtype=torch.float32), x.new_empty((n, m), dtype=torch.float32), \

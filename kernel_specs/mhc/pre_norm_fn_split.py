@@ -52,12 +52,9 @@ def _range(shape):
 
 
 def default(shape):
-    # mhc_pre_norm_fn's tensor-core default (TileKernels' tile), its widest step that divides a range.
-    for bk in (256, 128, 64):
-        c = {**_SUMS_DEFAULT, "block_k": bk}
-        if constraint(shape, c) is None:
-            return c
-    return {**_SUMS_DEFAULT, "block_k": 64}
+    # mhc_pre_norm_fn's tensor-core default (TileKernels' tile), its widest step that divides a range (64 always
+    # does: check_shape).
+    return next(c for c in ({**_SUMS_DEFAULT, "block_k": bk} for bk in (256, 128, 64)) if constraint(shape, c) is None)
 
 
 def constraint(shape, c):
