@@ -52,6 +52,8 @@
 #             # times host cost and cold start under both launchers
 #   split     # mhc_pre_norm_fn_split: its GPU test, the forward's paths at small token counts timed whole beside
 #             # TileKernels' op (scripts/norm_fn_split.py), then its sweeps (scripts/sweeps_s27.txt)
+#   s27       # one run for when one run is all there is: split's GPU test and whole-op timing (no sweeps), then
+#             # the studies of scripts/manifest_s27.toml (mhc_pre_norm_fn, its split, mhc_pre_big_fuse) and their table
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -257,6 +259,14 @@ split)
     > "$OUT/norm_fn_split.txt" 2>&1; echo "rc=$?" >> "$OUT/norm_fn_split.txt"
   cat "$OUT/norm_fn_split.txt"
   SWEEPS_FILE=${SWEEPS_FILE:-benchmarks/h200/scripts/sweeps_s27.txt} SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-60} bash "$0" sweeps
+  ;;
+s27)
+  FILES="mhc_pre_norm_fn:split" TEST_TIMEOUT=${TEST_TIMEOUT:-140} bash "$0" parallel
+  timeout "${SPLIT_TIMEOUT:-90}" python benchmarks/h200/scripts/norm_fn_split.py --tokens 512 1024 2048 4096 \
+    --json "$OUT/norm_fn_split.json" > "$OUT/norm_fn_split.txt" 2>&1; echo "rc=$?" >> "$OUT/norm_fn_split.txt"
+  cat "$OUT/norm_fn_split.txt"
+  MANIFEST=benchmarks/h200/scripts/manifest_s27.toml KERNELS=mhc_pre_norm_fn,mhc_pre_norm_fn_split,mhc_pre_big_fuse \
+    TUNE_TIMEOUT=${TUNE_TIMEOUT:-200} BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} EXTRAS=0 bash "$0" tune
   ;;
 sweeps)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
