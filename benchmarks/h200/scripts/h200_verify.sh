@@ -20,8 +20,8 @@
 #             # get_fused_mapping / top2_sum_gate benchmark (kernel plans for optional inputs, caller sizes)
 #   strided   # transpose and per_token_cast files (strided inputs), what `suite` cut
 #             # short, host cost, and the transpose / per_token_cast benchmark
-#   bench     # the benchmark table of $KERNELS (tools/bench.py --isolate: a process per kernel; COMPILE=1
-#             # adds torch.compile)
+#   bench     # the benchmark table of $KERNELS (tools/bench.py --isolate: a process per kernel, each under
+#             # $KERNEL_TIMEOUT s if set; COMPILE=1 adds torch.compile)
 #   profile   # where launch-bound calls spend their time ($KERNELS, default the routing counters),
 #             # tkjit beside TileKernels (benchmarks/h200/scripts/profile_calls.py; PROFILE_ARGS=--ops adds tkjit.ops)
 #   tune      # a pretune of $KERNELS (the studies of $MANIFEST if set, else tools/manifest.toml's) into the
@@ -52,8 +52,12 @@
 #             # times host cost and cold start under both launchers
 #   split     # mhc_pre_norm_fn_split: its GPU test, the forward's paths at small token counts timed whole beside
 #             # TileKernels' op (scripts/norm_fn_split.py), then its sweeps (scripts/sweeps_s27.txt)
-#   s27       # one run for when one run is all there is: split's GPU test and whole-op timing (no sweeps), then
-#             # the studies of scripts/manifest_s27.toml (mhc_pre_norm_fn, its split, mhc_pre_big_fuse) and their table
+#   measure   # the benchmark table of $KERNELS, after compiling what it builds in $WARM_JOBS processes side by side
+#             # (scripts/warm_baselines.py: tkjit's variants and TileKernels' kernels, each called once)
+#   s27       # one run for when one run is all there is: the forward's paths timed whole (SPLIT_TEST=1 first runs
+#             # the split kernel's GPU test; no sweeps), then
+#             # `measure` of the kernels no benchmark table has had yet ($KERNELS to change them); the studies of
+#             # scripts/manifest_s27.toml (mhc_pre_norm_fn, its split, mhc_pre_big_fuse) are `MANIFEST=... tune`
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -261,12 +265,21 @@ split)
   SWEEPS_FILE=${SWEEPS_FILE:-benchmarks/h200/scripts/sweeps_s27.txt} SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-60} bash "$0" sweeps
   ;;
 s27)
-  FILES="mhc_pre_norm_fn:split" TEST_TIMEOUT=${TEST_TIMEOUT:-140} bash "$0" parallel
-  timeout "${SPLIT_TIMEOUT:-90}" python benchmarks/h200/scripts/norm_fn_split.py --tokens 512 1024 2048 4096 \
+  [ -n "$SPLIT_TEST" ] && FILES="mhc_pre_norm_fn:split" TEST_TIMEOUT=${TEST_TIMEOUT:-120} bash "$0" parallel
+  timeout "${SPLIT_TIMEOUT:-70}" python benchmarks/h200/scripts/norm_fn_split.py --tokens 512 1024 2048 4096 --reps 30 \
     --json "$OUT/norm_fn_split.json" > "$OUT/norm_fn_split.txt" 2>&1; echo "rc=$?" >> "$OUT/norm_fn_split.txt"
   cat "$OUT/norm_fn_split.txt"
-  MANIFEST=benchmarks/h200/scripts/manifest_s27.toml KERNELS=mhc_pre_norm_fn,mhc_pre_norm_fn_split,mhc_pre_big_fuse \
-    TUNE_TIMEOUT=${TUNE_TIMEOUT:-200} BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} EXTRAS=0 bash "$0" tune
+  KERNELS=${KERNELS:-expand_to_mhc,expand_to_mhc_bwd,pre_apply_mix,pre_apply_mix_bwd,pre_apply_mix_bwd_acc,mhc_post_fwd,\
+mhc_post_bwd,mhc_head_compute_mix,mhc_head_compute_mix_bwd,mhc_pre_split_mixes,mhc_pre_split_mixes_bwd,engram_gate_fwd,\
+engram_gate_bwd,swiglu_forward_and_per_channel_cast_and_transpose,swiglu_backward_and_per_token_cast,per_channel_cast_fused,\
+per_token_cast_e5m6,cast_back_e5m6,expand_to_fused_with_sf_colmajor} WARM_TIMEOUT=${WARM_TIMEOUT:-130} \
+    BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bash "$0" measure
+  ;;
+measure)
+  printf '%s\n' ${KERNELS//,/ } | timeout "${WARM_TIMEOUT:-150}" xargs -P "${WARM_JOBS:-8}" -n 1 \
+    python benchmarks/h200/scripts/warm_baselines.py > "$OUT/warm.txt" 2>&1
+  grep -E "^warmed|Error" "$OUT/warm.txt" | head -40
+  KERNEL_TIMEOUT=${KERNEL_TIMEOUT:-40} BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} bash "$0" bench
   ;;
 sweeps)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -282,7 +295,7 @@ sweeps)
   ;;
 bench)  # the benchmark table of $KERNELS (COMPILE=1 adds torch.compile; ISOLATE=0: one process, every row kept)
   timeout "${BENCH_TIMEOUT:-150}" python tools/bench.py $([ "${ISOLATE:-1}" = 0 ] || echo --isolate) \
-    $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) \
+    $([ "${COMPILE:-0}" = 1 ] || echo --no-compile) ${KERNEL_TIMEOUT:+--kernel-timeout $KERNEL_TIMEOUT} \
     --kernels ${KERNELS//,/ } --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1; echo "rc=$?" >> "$OUT/bench.txt"
   tail -n 80 "$OUT/bench.txt"
   ;;
