@@ -272,7 +272,8 @@ s27)
   KERNELS=${KERNELS:-expand_to_mhc,expand_to_mhc_bwd,pre_apply_mix,pre_apply_mix_bwd,pre_apply_mix_bwd_acc,mhc_post_fwd,\
 mhc_post_bwd,mhc_head_compute_mix,mhc_head_compute_mix_bwd,mhc_pre_split_mixes,mhc_pre_split_mixes_bwd,engram_gate_fwd,\
 engram_gate_bwd,swiglu_forward_and_per_channel_cast_and_transpose,swiglu_backward_and_per_token_cast,per_channel_cast_fused,\
-per_token_cast_e5m6,cast_back_e5m6,expand_to_fused_with_sf_colmajor} WARM_TIMEOUT=${WARM_TIMEOUT:-130} \
+per_token_cast_e5m6,cast_back_e5m6,expand_to_fused_with_sf_colmajor,per_token_cast_e5m6_colmajor,cast_back_e5m6_colmajor,\
+per_token_cast_e2m1_colmajor,per_block_cast_lossless_colmajor} WARM_TIMEOUT=${WARM_TIMEOUT:-130} \
     BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bash "$0" measure
   ;;
 measure)
