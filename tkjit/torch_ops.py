@@ -2287,7 +2287,8 @@ def pre_norm_fn_splits(num_tokens: int, mhc_mult3: int, mhc_hidden: int) -> int:
     return next((s for s in (8, 4, 2) if mhc_hidden % (64 * s) == 0 and tiles * s <= PRE_NORM_FN_SPLIT_BLOCKS), 1)
 
 
-def pre_norm_fn_split(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, k_splits: int, static=None):
+def pre_norm_fn_split(x: torch.Tensor, fn: torch.Tensor, norm_eps: float, k_splits: int,
+                      static: dict | None = None):
     """mhc_pre_norm_fn's (out, out_mul, sqrsum) through mhc_pre_norm_fn_split over k_splits K ranges (num_tokens >
     0): the ranges' partial sums added in float32, then out as the forward kernel computes it. static: the checked
     static shape, where the caller has it."""

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +48,36 @@ def _said(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def implementations(name: str, full: dict, inputs: tuple, with_torch: bool = True,
+                    with_compile: bool = False) -> list[tuple[str, Callable[[], object], str]]:
+    """(impl, call, note) of one kernel at one canonical shape on these inputs: tkjit's default config, the config
+    `get` serves where it differs, TileKernels' kernel where it takes the shape, then (with_torch) torch eager and
+    (with_compile) torch.compile of the reference. Building them compiles tkjit's variants; TileKernels compiles its
+    kernels on their first call."""
+    spec = tkjit.get_spec(name)
+    impls = []
+    default_cfg = spec.default_config(full, "sm_90a")
+    kd = tkjit.get(name, full, config=default_cfg)
+    kw = {r: full[r] for r in kd.caller_sized}  # outputs no input sizes (get_fused_mapping's maps)
+    impls.append(("tkjit default", lambda kd=kd, inputs=inputs, kw=kw: kd(*inputs, **kw), str(default_cfg)))
+    kt = tkjit.get(name, full)
+    if kt.config_source != "default" and kt.config != default_cfg:
+        impls.append((f"tkjit {kt.config_source}", lambda kt=kt, inputs=inputs, kw=kw: kt(*inputs, **kw),
+                      str(kt.config)))
+    tk = TILE_KERNELS.get(name)
+    f = tk(full, inputs) if tk else None
+    if f is not None:
+        impls.append(("TileKernels", f, "shipped config"))
+    tf = TORCH.get(name) if with_torch else None
+    if tf is not None:
+        eager = tf(full)
+        impls.append(("torch eager", lambda f=eager, inputs=inputs: f(*inputs), ""))
+        if with_compile:
+            compiled = torch.compile(eager, dynamic=False)
+            impls.append(("torch.compile", lambda f=compiled, inputs=inputs: f(*inputs), ""))
+    return impls
+
+
 def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: bool) -> list[dict]:
     spec = tkjit.get_spec(name)
     rows = []
@@ -57,27 +88,7 @@ def bench_kernel(name: str, shapes, reps: int, ceiling: float, with_compile: boo
         label = ",".join(f"{k}={v}" for k, v in shape.items())
         floor_us = nbytes / (ceiling * 1e9) * 1e6
         rows.append(_row(name, label, "copy floor", floor_us, 0.0, nbytes, ceiling))
-        impls = []
-        default_cfg = spec.default_config(full, "sm_90a")
-        kd = tkjit.get(name, full, config=default_cfg)
-        kw = {r: full[r] for r in kd.caller_sized}  # outputs no input sizes (get_fused_mapping's maps)
-        impls.append(("tkjit default", lambda kd=kd, inputs=inputs, kw=kw: kd(*inputs, **kw), str(default_cfg)))
-        kt = tkjit.get(name, full)
-        if kt.config_source != "default" and kt.config != default_cfg:
-            impls.append((f"tkjit {kt.config_source}", lambda kt=kt, inputs=inputs, kw=kw: kt(*inputs, **kw),
-                          str(kt.config)))
-        tk = TILE_KERNELS.get(name)
-        f = tk(full, inputs) if tk else None
-        if f is not None:
-            impls.append(("TileKernels", f, "shipped config"))
-        tf = TORCH.get(name)
-        if tf is not None:
-            eager = tf(full)
-            impls.append(("torch eager", lambda f=eager, inputs=inputs: f(*inputs), ""))
-            if with_compile:
-                compiled = torch.compile(eager, dynamic=False)
-                impls.append(("torch.compile", lambda f=compiled, inputs=inputs: f(*inputs), ""))
-        for impl, fn, note in impls:
+        for impl, fn, note in implementations(name, full, inputs, with_compile=with_compile):
             try:
                 ts = time_cuda(fn, reps=reps)
                 rows.append(_row(name, label, impl, median(ts), rel_spread(ts), nbytes, ceiling, note))
