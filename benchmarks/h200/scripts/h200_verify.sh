@@ -259,22 +259,23 @@ s9)
   ;;
 split)
   FILES="mhc_pre_norm_fn:split" TEST_TIMEOUT=${TEST_TIMEOUT:-240} bash "$0" parallel
-  timeout "${SPLIT_TIMEOUT:-150}" python benchmarks/h200/scripts/norm_fn_split.py --json "$OUT/norm_fn_split.json" \
-    > "$OUT/norm_fn_split.txt" 2>&1; echo "rc=$?" >> "$OUT/norm_fn_split.txt"
-  cat "$OUT/norm_fn_split.txt"
+  SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-150} bash "$0" split_timing
   SWEEPS_FILE=${SWEEPS_FILE:-benchmarks/h200/scripts/sweeps_s27.txt} SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-60} bash "$0" sweeps
   ;;
 s27)
   [ -n "$SPLIT_TEST" ] && FILES="mhc_pre_norm_fn:split" TEST_TIMEOUT=${TEST_TIMEOUT:-120} bash "$0" parallel
-  timeout "${SPLIT_TIMEOUT:-70}" python benchmarks/h200/scripts/norm_fn_split.py --tokens 512 1024 2048 4096 --reps 30 \
-    --json "$OUT/norm_fn_split.json" > "$OUT/norm_fn_split.txt" 2>&1; echo "rc=$?" >> "$OUT/norm_fn_split.txt"
-  cat "$OUT/norm_fn_split.txt"
+  SPLIT_TIMEOUT=${SPLIT_TIMEOUT:-70} SPLIT_ARGS="--tokens 512 1024 2048 4096 --reps 30" bash "$0" split_timing
   KERNELS=${KERNELS:-expand_to_mhc,expand_to_mhc_bwd,pre_apply_mix,pre_apply_mix_bwd,pre_apply_mix_bwd_acc,mhc_post_fwd,\
 mhc_post_bwd,mhc_head_compute_mix,mhc_head_compute_mix_bwd,mhc_pre_split_mixes,mhc_pre_split_mixes_bwd,engram_gate_fwd,\
 engram_gate_bwd,swiglu_forward_and_per_channel_cast_and_transpose,swiglu_backward_and_per_token_cast,per_channel_cast_fused,\
 per_token_cast_e5m6,cast_back_e5m6,expand_to_fused_with_sf_colmajor,per_token_cast_e5m6_colmajor,cast_back_e5m6_colmajor,\
 per_token_cast_e2m1_colmajor,per_block_cast_lossless_colmajor} WARM_TIMEOUT=${WARM_TIMEOUT:-130} \
     BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bash "$0" measure
+  ;;
+split_timing)  # scripts/norm_fn_split.py $SPLIT_ARGS under $SPLIT_TIMEOUT
+  timeout "${SPLIT_TIMEOUT:-150}" python benchmarks/h200/scripts/norm_fn_split.py $SPLIT_ARGS --json "$OUT/norm_fn_split.json" \
+    > "$OUT/norm_fn_split.txt" 2>&1; echo "rc=$?" >> "$OUT/norm_fn_split.txt"
+  cat "$OUT/norm_fn_split.txt"
   ;;
 measure)
   printf '%s\n' ${KERNELS//,/ } | timeout "${WARM_TIMEOUT:-150}" xargs -P "${WARM_JOBS:-8}" -n 1 \
