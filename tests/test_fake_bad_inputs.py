@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tkjit
 import tkjit.ops  # noqa: F401  (registers torch.ops.tkjit.*)
-import tkjit.torch_ops
+import tkjit.torch_ops.serve
 from tkjit.errors import TkjitError
 from tkjit.kernel import CompiledKernel
 
@@ -329,7 +329,7 @@ def _real(v: Any) -> Any:
 
 
 def _serve_checking_kernels(monkeypatch) -> None:
-    """`tkjit.torch_ops.get` gives every kernel as a CPU CompiledKernel whose launch zero-fills the outputs: the
+    """`tkjit.torch_ops.serve.get` gives every kernel as a CPU CompiledKernel whose launch zero-fills the outputs: the
     kernels' own argument checks run (as on the GPU), nothing compiles, no reference is computed."""
     def get(name, shape, arch=None, config=None):
         spec = tkjit.get_spec(name)
@@ -343,7 +343,7 @@ def _serve_checking_kernels(monkeypatch) -> None:
         return CompiledKernel(spec, full, spec.default_config(full, "sm_90a"), "cpu", "0" * 40, "explicit",
                               Path("."), launch)
 
-    monkeypatch.setattr(tkjit.torch_ops, "get", get)
+    monkeypatch.setattr(tkjit.torch_ops.serve, "get", get)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -27,7 +27,7 @@ def test_targets_that_cannot_lower_a_kernel_say_why(cache_dir):
 
 
 def test_torch_ops_keep_their_autograd_behaviour_on_the_lean_dispatch_path(cache_dir):
-    # tkjit.torch_ops._lean_dispatch skips custom_op's Python layers when no gradient is needed; with one, the
+    # tkjit.torch_ops.dispatch.lean_dispatch skips custom_op's Python layers when no gradient is needed; with one, the
     # op behaves as custom_op made it: a registered backward runs, an op without one refuses to backprop.
     import tkjit.ops  # noqa: F401  (registers torch.ops.tkjit: this test alone must not rely on another's import)
 
@@ -58,20 +58,20 @@ def test_an_op_kept_off_the_lean_dispatch_says_why(monkeypatch):
 
     from tkjit import torch_ops
 
-    monkeypatch.setattr(torch_ops, "LEAN_SKIPPED", {})
-    torch_ops._lean_dispatch(SimpleNamespace(_name="renamed"))
-    assert list(torch_ops.LEAN_SKIPPED.values()) == ["renamed"]
-    assert next(iter(torch_ops.LEAN_SKIPPED)).startswith("AttributeError:")
+    monkeypatch.setattr(torch_ops.dispatch, "LEAN_SKIPPED", {})
+    torch_ops.dispatch.lean_dispatch(SimpleNamespace(_name="renamed"))
+    assert list(torch_ops.dispatch.LEAN_SKIPPED.values()) == ["renamed"]
+    assert next(iter(torch_ops.dispatch.LEAN_SKIPPED)).startswith("AttributeError:")
 
 
 def test_repeat_calls_reuse_the_served_kernel_and_new_signatures_are_checked(cache_dir, monkeypatch):
-    # torch_ops._kernel_for: one get() per call signature (shape, dtype, device, scalars and their types,
+    # torch_ops.serve.kernel_for: one get() per call signature (shape, dtype, device, scalars and their types,
     # config); an equal value of another type (10.0, True for repeat=10) is checked again and refused.
     from tkjit import torch_ops
 
     gets = []
-    real_get = torch_ops.get
-    monkeypatch.setattr(torch_ops, "get", lambda *a, **kw: (gets.append(a[0]), real_get(*a, **kw))[1])
+    real_get = torch_ops.serve.get
+    monkeypatch.setattr(torch_ops.serve, "get", lambda *a, **kw: (gets.append(a[0]), real_get(*a, **kw))[1])
     for seed in range(3):
         x = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(seed))
         torch.testing.assert_close(tkjit.ops.sinkhorn_fwd(x), tkjit.get_spec("sinkhorn_fwd").reference(
@@ -103,7 +103,7 @@ def test_the_lean_dispatch_on_a_torch_without_allow_override(cache_dir):
         import sys, torch, torch.library as L
         real = L.Library.impl
         def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False, **kw):
-            if sys._getframe(1).f_globals.get("__name__") == "tkjit.torch_ops":  # torch's own calls keep theirs
+            if sys._getframe(1).f_globals.get("__name__") == "tkjit.torch_ops.dispatch":  # (torch keeps its own)
                 if kw:
                     raise TypeError("impl() got an unexpected keyword argument 'allow_override'")
                 if f"{self.ns}/{op_name.split('::')[-1]}/{dispatch_key}" in L._impls:

@@ -9,7 +9,7 @@ import torch
 
 import tkjit
 import tkjit.ops
-import tkjit.torch_ops
+import tkjit.torch_ops.serve
 from tkjit.compat.tile_kernels import moe as tk_moe
 from tkjit.errors import ConfigError, ShapeError, TensorError
 from tkjit.kernel import CompiledKernel
@@ -165,7 +165,7 @@ def test_compiles_for_sm90a(cache_dir):
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Both specs as CPU CompiledKernels that write their references (real argument checks)."""
-    real_get = tkjit.torch_ops.get
+    real_get = tkjit.torch_ops.serve.get
 
     def get(name, shape, arch=None, config=None):
         if name not in NAMES:
@@ -181,7 +181,7 @@ def reference_kernels(monkeypatch):
         return CompiledKernel(spec, full, spec.default_config(full, "sm_90a"), "cpu", "0" * 40, "explicit",
                               Path("."), launch)
 
-    monkeypatch.setattr(tkjit.torch_ops, "get", get)
+    monkeypatch.setattr(tkjit.torch_ops.serve, "get", get)
 
 
 def _args(n=37, p=301, h=64, k=6, npc=32, dtype="float8_e4m3fn", sf_dtype="float32", seed=0):

@@ -159,14 +159,14 @@ def test_the_op_splits_k_where_told_and_returns_the_forwards_outputs(monkeypatch
     from tkjit.torch_ops import pre_norm_fn_splits
 
     assert torch_ops.PRE_NORM_FN_SPLIT_TOKENS == 0 and pre_norm_fn_splits(1024, 24, 16384) == 1
-    monkeypatch.setattr(torch_ops, "PRE_NORM_FN_SPLIT_TOKENS", 2048)
+    monkeypatch.setattr(torch_ops.mhc, "PRE_NORM_FN_SPLIT_TOKENS", 2048)
     # 32-token tiles of the bucket times the ranges <= 264 blocks; whole 64-column ranges; mhc_mult3 <= 32
     assert [pre_norm_fn_splits(n, 24, 16384) for n in (0, 1, 1000, 1024, 1025, 2048, 2049)] == [1, 8, 8, 8, 4, 4, 1]
     assert pre_norm_fn_splits(100, 24, 384) == 2 and pre_norm_fn_splits(100, 24, 96) == 1
     assert pre_norm_fn_splits(100, 80, 16384) == 1
     serve_references(monkeypatch, (FWD, BWD, SPLIT))
-    got, served = [], torch_ops.get
-    monkeypatch.setattr(torch_ops, "get", lambda name, shape, **kw: (
+    got, served = [], torch_ops.serve.get
+    monkeypatch.setattr(torch_ops.serve, "get", lambda name, shape, **kw: (
         got.append((name, shape.get("k_splits"))), served(name, shape, **kw))[1])
     residual, fn, _, og = data(1, 300, 4, 256, seed=5)  # K = 1024: 8 ranges of 128 columns
     x = residual.view(300, 1024)
@@ -308,8 +308,8 @@ def test_backward_token_ranges_follow_the_token_count_bucket(refs, monkeypatch):
 
     assert [pre_norm_fn_partials(n) for n in (0, 1, 256, 257, 512, 1000, 1024, 1025, 2048, 4096, 1 << 20)] == \
         [1, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
-    ranges, served = [], tkjit.torch_ops.get
-    monkeypatch.setattr(tkjit.torch_ops, "get", lambda name, shape, **kw: (
+    ranges, served = [], tkjit.torch_ops.serve.get
+    monkeypatch.setattr(tkjit.torch_ops.serve, "get", lambda name, shape, **kw: (
         ranges.append(shape.get("num_partials")), served(name, shape, **kw))[1])
     for n in (6, 1000, 4096):
         residual, fn, _, og = data(1, n, 2, 64, seed=n)

@@ -319,7 +319,7 @@ def test_colmajor_check_catches_unwritten_padding(colmajor):
 @pytest.mark.parametrize("n", [0, 1, 5, 8, 13])
 def test_ops_col_major_view(monkeypatch, n):
     import tkjit.ops
-    import tkjit.torch_ops
+    import tkjit.torch_ops.serve
 
     seen = []
 
@@ -327,7 +327,7 @@ def test_ops_col_major_view(monkeypatch, n):
         seen.append(name)
         return _fake_kernel(get_spec(name), shape)
 
-    monkeypatch.setattr(tkjit.torch_ops, "get", fake_get)
+    monkeypatch.setattr(tkjit.torch_ops.serve, "get", fake_get)
     x = torch.randn(n, 256) * 3
     q, s = tkjit.ops.per_token_cast(x, 64, col_major_scales=True)
     q_row, s_row = tkjit.ops.per_token_cast(x, 64)

@@ -4,7 +4,7 @@
     y.backward(g)                       # grad via the sinkhorn_bwd kernel
 
 Under torch.compile (and for FakeTensor or subclass inputs) the pair is the custom op
-`torch.ops.tkjit.sinkhorn_fwd` with its autograd formula registered (tkjit/torch_ops.py). In plain
+`torch.ops.tkjit.sinkhorn_fwd` with its autograd formula registered (tkjit/torch_ops/mhc.py). In plain
 eager code it is `SinkhornFunction`, the same formula as a torch.autograd.Function calling the ops'
 implementations directly: the custom op's Python autograd wrapper and two dispatcher round trips
 cost more host time per step than both kernels take at small sizes. Either way the backward kernel
@@ -117,7 +117,7 @@ def sinkhorn(
 
 # -- expand_to_mhc / pre_apply_mix ---------------------------------------------------------------------
 # The eager pairs, as SinkhornFunction: the ops' implementations called directly (torch.compile and
-# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers). They take TileKernels'
+# FakeTensors take the custom ops, whose autograd tkjit/torch_ops/ registers). They take TileKernels'
 # (..., mhc_mult, hidden) tensors and flatten them to the kernels' rows themselves (see `rows` above).
 
 
@@ -132,7 +132,7 @@ class _MhcOnce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *_):
-        raise RuntimeError(torch_ops._mhc_differentiable_once(ctx.op))
+        raise RuntimeError(torch_ops.mhc_differentiable_once(ctx.op))
 
 
 def _once(op: str, grad, *deps):
@@ -308,7 +308,7 @@ def mhc_post_args(op: str, x, residual, post_layer_mix, comb_res_mix):
 
 # -- mhc_head_compute_mix / mhc_pre_split_mixes ------------------------------------------------------
 # The eager pairs, as MhcPostFunction: the ops' implementations called directly (torch.compile and
-# FakeTensors take the custom ops, whose autograd tkjit/torch_ops.py registers), on float32 rows they
+# FakeTensors take the custom ops, whose autograd tkjit/torch_ops/ registers), on float32 rows they
 # flatten themselves. The backward kernels recompute the sigmoids from the inputs, so only the inputs are saved.
 
 
@@ -457,7 +457,7 @@ def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
 
 # -- mhc_pre_norm_fn -----------------------------------------------------------------------------------
 # The eager pair, as MhcPostFunction (torch.compile and FakeTensors take torch.ops.tkjit.mhc_pre_norm_fn, whose
-# autograd tkjit/torch_ops.py registers, with a fresh residual gradient). TileKernels' MHCPreNormFn: with
+# autograd tkjit/torch_ops/ registers, with a fresh residual gradient). TileKernels' MHCPreNormFn: with
 # fuse_grad_acc the residual's gradient is added in place into the one mhc_post's backward left on the
 # residual's storage (`grad_from_mhc_post`, then deleted) and the residual gets None. Where TileKernels would
 # fail (fuse_grad_acc and no such gradient), tkjit returns a fresh gradient instead. _FnNormwMerge is

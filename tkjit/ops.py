@@ -1,7 +1,7 @@
 """Convenience forms that infer the shape from tensors: `tkjit.ops.sinkhorn_fwd(x)` etc.
 
 Each function is its torch custom op (`torch.ops.tkjit.*`, registered by importing this module;
-see tkjit/torch_ops.py), whose implementation goes through `tkjit.get` (memoised: ~1-2 us on a
+see tkjit/torch_ops/), whose implementation goes through `tkjit.get` (memoised: ~1-2 us on a
 hit), so it serves the tuned config for the tensor's GPU and size bucket. Under torch.compile,
 with FakeTensor/meta inputs or when a gradient is wanted, the call goes through the custom op
 (traced with no graph break, autograd registered); in plain eager calls the op's implementation
@@ -19,6 +19,7 @@ from tkjit.autograd import sinkhorn as _sinkhorn
 from tkjit.errors import ShapeError, TensorError
 from tkjit.scales import pack_ue8m0
 from tkjit.torch_ops import encode_config
+from tkjit.torch_ops.checks import need
 
 _ops = torch.ops.tkjit
 _sinkhorn_fwd = _ops.sinkhorn_fwd.default
@@ -307,7 +308,7 @@ def _cast_back(name: str, x: torch.Tensor, sf: torch.Tensor, block_size, out_dty
     (sf.stride(0) == 1), whose kernel reads the storage view (rows: sf's columns)."""
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise ShapeError(f"{name}: block_size must be (block_tokens, block_channels), got {block_size!r}")
-    torch_ops._need(sf, (2,), name)
+    need(sf, (2,), name)
     bt, bc = block_size
     od = "bfloat16" if out_dtype == torch.bfloat16 else "float32"
     cfg = encode_config(config)
@@ -594,7 +595,7 @@ def _e5m6_words(x: torch.Tensor) -> torch.Tensor:
     first where the rows cannot be viewed so: not 4-byte aligned); int32 words as they are."""
     from tkjit.errors import TensorError
 
-    torch_ops._need(x, (2,), "cast_back_e5m6")
+    need(x, (2,), "cast_back_e5m6")
     if x.dtype != torch.uint8:
         return x
     if x.shape[1] % 12:
@@ -1086,7 +1087,7 @@ def _row_major_scales(fn: str, sf: torch.Tensor, cols: int) -> torch.Tensor:
     """Scales as the lossless kernel reads them, float32 row-major: a row-major float32 sf as it is (any row
     stride); a column-major one (sf.stride(0) == 1, TileKernels' test) copied row-major; packed UE8M0 int32
     (rows, ceil(cols / 4)) unpacked to 2^(byte - 127) (byte 0 -> 0.0, refused by the kernel as lossy)."""
-    torch_ops._need(sf, (2,), fn)
+    need(sf, (2,), fn)
     if sf.dtype == torch.int32:
         from tkjit_kernels.quant.cast_back import unpack_ue8m0
 
@@ -1117,7 +1118,7 @@ def per_block_cast_lossless(
         if not isinstance(b, (tuple, list)) or len(b) != 2:
             raise ShapeError(f"{fn}: {what} must be (block_m, block_k), got {b!r}")
     (bmi, bki), (bmo, bko) = in_block_size, out_block_size
-    torch_ops._need(x, (2,), fn)
+    need(x, (2,), fn)
     sf = _row_major_scales(fn, sf, -(-int(x.shape[1]) * 2 // bki) if isinstance(bki, int) and bki > 0 else 1)
     args = (x, sf, bmi, bki, bmo, bko, encode_config(config))
     eager = is_eager(x, sf)

@@ -1,4 +1,4 @@
-"""CUDA-only kernels on a CPU host: `tkjit.torch_ops.get` serves them as CompiledKernels whose launch
+"""CUDA-only kernels on a CPU host: `tkjit.torch_ops.serve.get` serves them as CompiledKernels whose launch
 writes the spec's reference, so the ops' schemas, fake implementations, tensor checks and output
 allocation run for real while torch does the kernel's work (the GPU tests run the real kernels)."""
 
@@ -10,16 +10,16 @@ from pathlib import Path
 import torch
 
 import tkjit
-import tkjit.torch_ops
+import tkjit.torch_ops.serve
 from tkjit.kernel import CompiledKernel
 
 
 def serve_references(monkeypatch, names: Collection[str]) -> list[torch.Size]:
-    """Patch `tkjit.torch_ops.get` so that the kernels in `names` are reference-writing CPU kernels.
+    """Patch `tkjit.torch_ops.serve.get` so that the kernels in `names` are reference-writing CPU kernels.
 
     Returns the list each launch appends its first input's shape to (an empty batch launches nothing)."""
     launches: list[torch.Size] = []
-    real_get = tkjit.torch_ops.get
+    real_get = tkjit.torch_ops.serve.get
 
     def get(name, shape, arch=None, config=None):
         if name not in names:
@@ -46,5 +46,5 @@ def serve_references(monkeypatch, names: Collection[str]) -> list[torch.Size]:
         return CompiledKernel(spec, full, spec.default_config(full, "sm_90a"), "cpu", "0" * 40, "explicit",
                               Path("."), launch)
 
-    monkeypatch.setattr(tkjit.torch_ops, "get", get)
+    monkeypatch.setattr(tkjit.torch_ops.serve, "get", get)
     return launches
