@@ -66,8 +66,9 @@ def test_defaults_valid(spec, hidden, bt, bc):
 def test_default_iters_follow_size(spec):
     small = spec.canonical_shape(_shape(64, hidden=7168, block_channels=7168))
     big = spec.canonical_shape(_shape(32768, hidden=7168, block_channels=7168))
-    assert spec.default_config(small, "sm_90a") == {"vec": 32, "threads": 256, "iters": 1}
-    assert spec.default_config(big, "sm_90a") == {"vec": 32, "threads": 256, "iters": 4}
+    # 8-channel chunks (a warp's stores one contiguous span), four a thread once they fill the GPU many times
+    assert spec.default_config(small, "sm_90a") == {"vec": 8, "threads": 256, "iters": 1}
+    assert spec.default_config(big, "sm_90a") == {"vec": 8, "threads": 256, "iters": 4}
 
 
 def test_bad_shapes(spec, colmajor):

@@ -107,8 +107,8 @@ def test_defaults_valid(spec, in_dtype, hidden):
     full = spec.canonical_shape(_shape(hidden=hidden, in_dtype=in_dtype))
     cfg = spec.default_config(full, "sm_90a")
     assert spec.check_config(full, cfg, "sm_90a") == cfg
-    if hidden in HIDDENS:  # about 32 elements per thread, 16-channel chunks
-        assert cfg["vec"] == 16 and 16 <= -(-hidden // 16 // cfg["group_threads"]) * 16 <= 64
+    if hidden in HIDDENS:  # about 32 elements per thread, 8-channel chunks (TileKernels' layout)
+        assert cfg["vec"] == 8 and 16 <= -(-hidden // 8 // cfg["group_threads"]) * 8 <= 64
 
 
 def test_bad_shapes(spec):
