@@ -55,9 +55,9 @@ def test_registered_and_valid():
         assert s.configs(full, "cpu") == []  # bf16: CUDA targets only
     full = _full(4096, 4, 7168)
     assert full["eps"] == 1e-6 and full["clamp_value"] == 1e-6
-    assert s.default_config(full) == {"block_tokens": 1, "vec": 8, "threads": 128}
-    assert s.default_config(_full(h=4096)) == {"block_tokens": 1, "vec": 8, "threads": 64}
-    assert len(s.configs(full)) == 60
+    assert s.default_config(full) == {"block_tokens": 1, "vec": 8, "threads": 128, "grid": "heads_inner"}
+    assert s.default_config(_full(h=4096)) == {"block_tokens": 1, "vec": 8, "threads": 64, "grid": "heads_inner"}
+    assert len(s.configs(full)) == 120
     for h in (1, 6, 300, 512, 2560, 7168, 1 << 16):
         f = _full(h=h)
         assert s.constraint(f, s.default_config(f)) is None, h
@@ -80,11 +80,11 @@ def test_bad_shapes(shape, match):
 def test_bad_configs():
     s = spec()
     with pytest.raises(ConfigError, match="multiple of 8"):
-        s.check_config(_full(h=300), {"block_tokens": 1, "vec": 8, "threads": 32})
+        s.check_config(_full(h=300), {"block_tokens": 1, "vec": 8, "threads": 32, "grid": "heads_inner"})
     with pytest.raises(ConfigError, match="fewer threads"):
-        s.check_config(_full(h=512), {"block_tokens": 1, "vec": 8, "threads": 512})
+        s.check_config(_full(h=512), {"block_tokens": 1, "vec": 8, "threads": 512, "grid": "heads_inner"})
     with pytest.raises(ConfigError, match="CUDA targets only|C target"):
-        s.check_config(_full(), {"block_tokens": 1, "vec": 8, "threads": 64}, arch="cpu")
+        s.check_config(_full(), {"block_tokens": 1, "vec": 8, "threads": 64, "grid": "heads_inner"}, arch="cpu")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -141,15 +141,18 @@ def test_reference_zero_dot_and_clamp():
 def test_cross_compiles_for_sm90a_with_vector_loads():
     kern = tkjit.get(NAME, {"num_tokens": 4096, "hc_mult": 4, "hidden_size": 7168}, arch="sm_90a")
     src = (kern.path / "kernel.cu").read_text()
-    assert kern.config == {"block_tokens": 1, "vec": 8, "threads": 128}
+    assert kern.config == {"block_tokens": 1, "vec": 8, "threads": 128, "grid": "heads_inner"}
     assert "k_stride0" in src and "v_stride0" in src and "k_stride1" in src
+    # heads_inner: one flat grid, token = block / hc_mult and head = block % hc_mult (a token's heads side by side)
+    assert "blockIdx.y" not in src and "(((int)blockIdx.x) & 3)" in src
+    assert "(((int64_t)((int)blockIdx.x)) >> (int64_t)2)" in src
     assert src.count("*(uint4*)(kv + 0)") == 2  # k's and v's strided rows read as 16-byte vectors
     assert "__expf" not in src and "rsqrtf" in src and "copysignf" in src
 
 
 def test_odd_shapes_cross_compile():
     kern = tkjit.get(NAME, {"num_tokens": 7, "hc_mult": 3, "hidden_size": 300}, arch="sm_90a",
-                     config={"block_tokens": 2, "vec": 4, "threads": 32})
+                     config={"block_tokens": 2, "vec": 4, "threads": 32, "grid": "heads_inner"})
     assert "if (" in (kern.path / "kernel.cu").read_text()
 
 

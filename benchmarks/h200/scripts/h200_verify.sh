@@ -59,8 +59,8 @@
 #             # `measure` of the kernels no benchmark table has had yet ($KERNELS to change them); the studies of
 #             # scripts/manifest_s27.toml (mhc_pre_norm_fn, its split, mhc_pre_big_fuse) are `MANIFEST=... tune`
 #   s28       # the studies of the kernels session 28's table found slower than TileKernels, then their table:
-#             # PART=a the e5m6 casts (new defaults) and per_channel_cast_fused, PART=b engram_gate_bwd, the mHC
-#             # mixes, mhc_post_fwd and the SwiGLU per-channel cast (about 450 s each)
+#             # PART=a the e5m6 casts (new defaults) and per_channel_cast_fused, PART=b engram_gate_fwd (new
+#             # grid), engram_gate_bwd, the mHC mixes, mhc_post_fwd and the SwiGLU per-channel cast (~450 s each)
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -278,7 +278,7 @@ per_token_cast_e2m1_colmajor,per_block_cast_lossless_colmajor} WARM_TIMEOUT=${WA
 s28)
   case "$PART" in
     a) K=cast_back_e5m6,cast_back_e5m6_colmajor,per_token_cast_e5m6,per_token_cast_e5m6_colmajor,per_channel_cast_fused ;;
-    b) K=engram_gate_bwd,mhc_head_compute_mix,mhc_pre_split_mixes,mhc_post_fwd,swiglu_forward_and_per_channel_cast_and_transpose ;;
+    b) K=engram_gate_fwd,engram_gate_bwd,mhc_head_compute_mix,mhc_pre_split_mixes,mhc_post_fwd,swiglu_forward_and_per_channel_cast_and_transpose ;;
     *) echo "s28: PART=a or PART=b"; exit 2 ;;
   esac
   KERNELS=${KERNELS:-$K} TUNE_TIMEOUT=${TUNE_TIMEOUT:-400} BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} EXTRAS=0 bash "$0" tune
