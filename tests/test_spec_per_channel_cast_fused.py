@@ -17,6 +17,9 @@ from tkjit.spec import validate
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from quant_checks import NO_HINT  # noqa: E402
+
+SEL = {**NO_HINT, "gather": "select"}  # the staged tile's default loads (unconditional, zeros selected)
+BR = {**NO_HINT, "gather": "branch"}  # the register tile's (and the staged tile's loads of before)
 from reference_kernels import serve_references  # noqa: E402
 
 NAME = "per_channel_cast_fused"
@@ -44,7 +47,7 @@ def test_spec_validates():
     assert [p.name for p in spec.params] == ["num_tokens_out", "num_tokens", "hidden", "num_per_tokens", "in_dtype",
                                              "round_scale", "has_x_sf", "has_pos"]
     # per_channel_cast's space: the register tile and TileKernels' shared-memory staged tile (stage="smem")
-    assert spec.space == get_spec("per_channel_cast").space
+    assert spec.space == {**get_spec("per_channel_cast").space, "gather": ("select", "branch")}
     assert spec.space["stage"] == ("regs", "smem")
 
 
@@ -52,9 +55,9 @@ def test_default_heuristics():
     spec = get_spec(NAME)
     # TileKernels' block: 256 threads, 32 along a row with 8-byte vectors (128 channels of bf16, 256 of FP8)
     full = spec.canonical_shape(_shape(hidden=7168, has_pos=True, num_tokens_out=4096))
-    assert spec.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}
+    assert spec.default_config(full) == {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem", **SEL}
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True, has_pos=True))
-    assert spec.default_config(full) == {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}
+    assert spec.default_config(full) == {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **SEL}
     assert len(spec.configs(full)) > 20
     assert {c["stage"] for c in spec.configs(full)} == {"regs", "smem"}
     # the register tile's default where no staged tile fits: 16 channels of float32 x 32 rows per scale
@@ -65,15 +68,15 @@ def test_default_heuristics():
 def test_smem_constraint():
     spec = get_spec(NAME)
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True, has_pos=True))
-    smem = {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}
+    smem = {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **SEL}
     assert spec.constraint(full, smem) is None
     # FP8: 4-byte vectors x 32 lanes fill a 128-byte wavefront, 4 x 16 lanes do not
     assert spec.constraint(full, {**smem, "vec": 4}) is None
     assert "bank conflicts" in spec.constraint(full, {**smem, "vec": 4, "ch_threads": 16})
     assert "shared memory" in spec.constraint(full, {"vec": 16, "ch_threads": 64, "threads": 512, "stage": "smem",
-                                                     **NO_HINT})
+                                                     **SEL})
     bf16 = spec.canonical_shape(_shape(hidden=7168, has_pos=True))
-    assert spec.constraint(bf16, {"vec": 8, "ch_threads": 16, "threads": 128, "stage": "smem", **NO_HINT}) is None
+    assert spec.constraint(bf16, {"vec": 8, "ch_threads": 16, "threads": 128, "stage": "smem", **SEL}) is None
 
 
 @pytest.mark.parametrize("in_dtype", ["bfloat16", "float32", FP8])
@@ -118,9 +121,9 @@ def test_bad_configs():
     spec = get_spec(NAME)
     full = spec.canonical_shape(_shape(hidden=7168, in_dtype=FP8, has_x_sf=True))
     with pytest.raises(ConfigError, match="spill"):  # 16 rows of 16 FP8 channels a thread
-        spec.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs", **NO_HINT})
+        spec.check_config(full, {"vec": 16, "ch_threads": 32, "threads": 256, "stage": "regs", **BR})
     with pytest.raises(ConfigError, match="bank conflicts"):
-        spec.check_config(full, {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", **NO_HINT})
+        spec.check_config(full, {"vec": 4, "ch_threads": 16, "threads": 256, "stage": "smem", **SEL})
     with pytest.raises(ConfigError, match="CUDA targets only"):
         spec.check_config(full, spec.default_config(full), "cpu")
 
@@ -422,12 +425,13 @@ def test_compat_sizes_tkjit_lacks_are_not_implemented():
     ({"hidden": 7168, "in_dtype": FP8, "has_x_sf": True, "has_pos": True, "round_scale": True}, None),
     ({"hidden": 4096, "in_dtype": FP8, "has_x_sf": True}, None),  # no map: num_tokens_out == num_tokens
     ({"hidden": 576, "num_per_tokens": 32, "in_dtype": "float32", "has_pos": True},
-     {"vec": 4, "ch_threads": 32, "threads": 128, "stage": "regs", **NO_HINT}),  # a channel tail (576 % 128)
+     {"vec": 4, "ch_threads": 32, "threads": 128, "stage": "regs", **BR}),  # a channel tail (576 % 128)
     # the staged tile with a channel tail: FP8 with a map (640 % 256), bf16 (576 % 128)
     ({"hidden": 640, "in_dtype": FP8, "has_x_sf": True, "has_pos": True},
-     {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **NO_HINT}),
+     {"vec": 8, "ch_threads": 32, "threads": 256, "stage": "smem", **SEL}),
     ({"hidden": 576, "num_per_tokens": 32, "has_pos": True}, {"vec": 4, "ch_threads": 32, "threads": 256,
-                                                              "stage": "smem", **NO_HINT}),
+                                                              "stage": "smem", **SEL}),
+    ({"hidden": 7168, "has_pos": True}, {"vec": 4, "ch_threads": 32, "threads": 256, "stage": "smem", **BR}),
 ])
 def test_compiles_for_sm90a(cache_dir, shape, config):
     n = 4096
@@ -442,5 +446,7 @@ def test_compiles_for_sm90a(cache_dir, shape, config):
         assert f"fp8_e4_{vec}_t*)(x +" in src  # whole-vector FP8 loads of x
     if (config or k.config)["stage"] == "smem":
         assert "__launch_bounds__(256, 1)" in src and "buf_dyn_shmem" in src  # the tile and the maxima
+        # gather=select: no load of x under a branch on its row (each row's load in flight with the others')
+        assert ("if ((int64_t)0 <= src[0])" in src) == ((config or k.config)["gather"] == "branch")
     if shape.get("round_scale"):
         assert "8388607" in src or "0x7fffff" in src.lower()

@@ -59,7 +59,7 @@
 #             # `measure` of the kernels no benchmark table has had yet ($KERNELS to change them); the studies of
 #             # scripts/manifest_s27.toml (mhc_pre_norm_fn, its split, mhc_pre_big_fuse) are `MANIFEST=... tune`
 #   s28       # the studies of the kernels session 28's table found slower than TileKernels, then their table:
-#             # PART=a the e5m6 casts (new defaults) and per_channel_cast_fused, PART=b engram_gate_fwd (new
+#             # PART=a the e5m6 casts and per_channel_cast_fused (new defaults), PART=b engram_gate_fwd (new
 #             # grid), engram_gate_bwd, the mHC mixes, mhc_post_fwd and the SwiGLU per-channel cast (~450 s each)
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
