@@ -44,7 +44,8 @@ from tkjit.torch_ops.quant import *  # noqa: F403
 from tkjit.torch_ops.serve import encode_config
 from tkjit.torch_ops.transpose import *  # noqa: F403
 
-__all__ = ["LEAN_OPS", "LEAN_SKIPPED", "OPS", "encode_config"]  # (and every family's public names, above)
+# A star import of this package takes these; every family's public names are attributes here too (above).
+__all__ = ["LEAN_OPS", "LEAN_SKIPPED", "OPS", "encode_config"]
 
 OPS = [v for v in list(globals().values()) if isinstance(v, torch._library.custom_ops.CustomOpDef)]  # every op
 for _op in OPS:
