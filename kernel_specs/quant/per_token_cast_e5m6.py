@@ -86,8 +86,8 @@ def check_shape(shape):
 
 
 def default(shape):
-    # 8-channel chunks: a warp's loads one contiguous span (16 bytes a thread from bf16) and its stores three
-    # 4-byte words a thread, contiguous over the warp; TileKernels' layout. 16-channel chunks (two 16-byte loads
+    # 8-channel chunks: a warp's loads one contiguous span (16 bytes a thread from bf16) and its three 4-byte
+    # stores a thread together another (384 bytes a warp); TileKernels' layout. 16-channel chunks (two 16-byte loads
     # at a 32-byte stride between lanes, three 8-byte stores at a 24-byte one) ran 0.76-0.88x TileKernels' time
     # on an H100 (session 28). About ELEMS_TARGET elements per thread: the fewest threads per token (a power of
     # two) that keep it.
