@@ -267,48 +267,49 @@ def _build_smem(shape, c):
         return T.cast(xv[v], f32)
 
     @T.macro
-    def stage_select(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col):
-        for j in T.unroll(tpt):
-            # The x row read for output row r0 + j (the map entry read at a row clamped into the map), whether it
-            # is a real one, and the row loaded either way: row 0 for a zero row (in x: num_tokens >= 1).
-            if has_pos:
-                p = T.cast(pos_to_token[T.min(r0 + j, T.cast(num_tokens_out, "int64") - 1)], "int64")
-            else:
-                p = r0 + j
-            ok = (r0 + j < T.cast(num_tokens_out, "int64")) & (p >= 0) & (p < T.cast(num_tokens, "int64"))
-            src[0] = T.if_then_else(ok, p, T.int64(0))
-            for v in T.vectorized(vec):
-                xv[v] = x[src[0], col + v]
-            for v in T.unroll(vec):
-                xv[v] = T.if_then_else(ok, xv[v], T.cast(0, in_dtype))
-            if has_sf:
-                rs[j] = T.if_then_else(ok, x_sf[src[0], col // SF_GROUP], T.float32(0))
-            for v in T.vectorized(vec):
-                tile[row0 + j, cc + v] = xv[v]
-            for v in T.unroll(vec):
-                amax[v] = T.max(amax[v], T.abs(value(xv, rs, j, v)))
+    def load_select(x, x_sf, pos_to_token, xv, rs, src, r0, j, col):
+        # The x row read for output row r0 + j (the map entry read at a row clamped into the map), whether it is a
+        # real one, and the row loaded either way: row 0 for a zero row (in x: num_tokens >= 1).
+        if has_pos:
+            p = T.cast(pos_to_token[T.min(r0 + j, T.cast(num_tokens_out, "int64") - 1)], "int64")
+        else:
+            p = r0 + j
+        ok = (r0 + j < T.cast(num_tokens_out, "int64")) & (p >= 0) & (p < T.cast(num_tokens, "int64"))
+        src[0] = T.if_then_else(ok, p, T.int64(0))
+        for v in T.vectorized(vec):
+            xv[v] = x[src[0], col + v]
+        for v in T.unroll(vec):
+            xv[v] = T.if_then_else(ok, xv[v], T.cast(0, in_dtype))
+        if has_sf:
+            rs[j] = T.if_then_else(ok, x_sf[src[0], col // SF_GROUP], T.float32(0))
 
     @T.macro
-    def stage_branch(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col):
-        for j in T.unroll(tpt):
-            src[0] = T.int64(-1)  # the x row read for output row r0 + j; -1: a zero row
-            if r0 + j < T.cast(num_tokens_out, "int64"):
-                if has_pos:
-                    src[0] = T.cast(pos_to_token[r0 + j], "int64")
-                else:
-                    src[0] = r0 + j
-                if src[0] >= T.cast(num_tokens, "int64"):  # (negative map entries stay negative)
-                    src[0] = T.int64(-1)
-            if src[0] >= 0:
-                for v in T.vectorized(vec):
-                    xv[v] = x[src[0], col + v]
-                if has_sf:
-                    rs[j] = x_sf[src[0], col // SF_GROUP]
+    def load_branch(x, x_sf, pos_to_token, xv, rs, src, r0, j, col):
+        src[0] = T.int64(-1)  # the x row read for output row r0 + j; -1: a zero row
+        if r0 + j < T.cast(num_tokens_out, "int64"):
+            if has_pos:
+                src[0] = T.cast(pos_to_token[r0 + j], "int64")
             else:
-                for v in T.vectorized(vec):
-                    xv[v] = T.cast(0, in_dtype)
-                if has_sf:
-                    rs[j] = T.float32(0)
+                src[0] = r0 + j
+            if src[0] >= T.cast(num_tokens, "int64"):  # (negative map entries stay negative)
+                src[0] = T.int64(-1)
+        if src[0] >= 0:
+            for v in T.vectorized(vec):
+                xv[v] = x[src[0], col + v]
+            if has_sf:
+                rs[j] = x_sf[src[0], col // SF_GROUP]
+        else:
+            for v in T.vectorized(vec):
+                xv[v] = T.cast(0, in_dtype)
+            if has_sf:
+                rs[j] = T.float32(0)
+
+    load = load_select if c["gather"] == "select" else load_branch
+
+    @T.macro
+    def stage(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col):
+        for j in T.unroll(tpt):
+            load(x, x_sf, pos_to_token, xv, rs, src, r0, j, col)  # row r0 + j's vector (and FP8 scale) or zeros
             for v in T.vectorized(vec):
                 tile[row0 + j, cc + v] = xv[v]
             for v in T.unroll(vec):
@@ -354,7 +355,6 @@ def _build_smem(shape, c):
             col = (bid % ch_tiles) * block_ch + cc
             for v in T.unroll(vec):
                 amax[v] = T.float32(0)
-            stage = stage_select if c["gather"] == "select" else stage_branch
             if ch_tail:
                 if col < H:  # a vector past hidden adds nothing to the maxima and is not stored
                     stage(x, x_sf, pos_to_token, tile, xv, rs, src, amax, r0, row0, cc, col)
