@@ -177,6 +177,35 @@ def test_get_reports_config_source(dbs, monkeypatch):
     assert k.config_source == "default"
 
 
+def test_entry_that_kept_the_default_serves_the_current_default(dbs, monkeypatch, capsys):
+    """A study that found nothing better than the default stores the default of that day. After the spec's
+    default changes, the entry must not pin the old one: the current default serves (and `db show` says why)."""
+    user, shipped = dbs
+    monkeypatch.setenv("TKJIT_GPU_NAME", "NVIDIA H200")
+    old = cfg(16, th=64)
+    assert old != spec().default_config(full(4096), "sm_90a")
+    write(shipped, "sm_90a", "NVIDIA H200", [
+        entry(4096, old, won=False, default_config=old),
+        entry(65536, cfg(128), won=True, default_config=old),  # a win pins its config
+    ])
+    assert tuning_db.lookup(spec(), full(4096), "sm_90a") is None
+    assert tuning_db.choose_config(spec(), full(4096), "sm_90a", None) == (
+        spec().default_config(full(4096), "sm_90a"), "default")
+    # the exact bucket said "default": the nearest other bucket does not stand in for it
+    assert tuning_db.lookup(spec(), full(1 << 20), "sm_90a") == (
+        cfg(128), "tuned:nearest(shipped, num_tokens=65536)")
+    # an entry without its default_config (or a kept config that differs from it) is served as written
+    write(shipped, "sm_90a", "NVIDIA H200", [entry(4096, old, won=False)])
+    assert tuning_db.lookup(spec(), full(4096), "sm_90a") == (old, "tuned:shipped")
+    write(shipped, "sm_90a", "NVIDIA H200", [entry(4096, old, won=False, default_config=old)])
+    from tkjit import cli
+
+    capsys.readouterr()
+    assert cli.main(["db", "show", "sinkhorn_fwd", "--shape", "n=4", "num_tokens=4096", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    assert "(default)" in out and "none beat the default of then" in out, out
+
+
 MALFORMED_DBS = {
     "not JSON": "{schema: 1",
     "empty": "",
