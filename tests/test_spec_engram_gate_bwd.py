@@ -16,6 +16,7 @@ import tkjit.ops
 from tkjit.compat import tile_kernels as tk
 from tkjit.compat.tile_kernels import config as tk_config
 from tkjit.errors import ConfigError, ShapeError, TensorError
+from tkjit.tuning_db import with_added
 from tkjit_kernels.engram._gate import backward64, clamped, forward64, gate_inputs, partial_sums
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -46,8 +47,8 @@ def test_registered_and_valid():
             assert spec.configs(full, "cpu") == []  # bf16: CUDA targets only
     full = _full(4096, 4, 7168)
     assert full["num_partials"] == 132 and full["clamp_value"] == 1e-6
-    assert s.default_config(full) == {"vec": 8, "threads": 512, "grad_w": "regs"}
-    assert s.default_config(_full(h=512)) == {"vec": 8, "threads": 128, "grad_w": "regs"}
+    assert s.default_config(full) == {"vec": 8, "threads": 512, "grad_w": "regs", "stage": "none"}
+    assert s.default_config(_full(h=512)) == {"vec": 8, "threads": 128, "grad_w": "regs", "stage": "none"}
     assert s.default_config(_full(m=16, h=65536))["grad_w"] == "global"  # too wide for registers
     for m, h in ((1, 1), (4, 6), (3, 300), (4, 2560), (4, 7168), (16, 7168), (4, 1 << 16)):
         f = _full(m=m, h=h)
@@ -66,11 +67,19 @@ def test_bad_shapes_and_configs():
     with pytest.raises(ShapeError, match="hc_mult"):
         r.canonical_shape({"hc_mult": 17, "hidden_size": 512})
     with pytest.raises(ConfigError, match="grad_w='global'"):
-        s.check_config(_full(h=7168), {"vec": 8, "threads": 128, "grad_w": "regs"})
+        s.check_config(_full(h=7168), {"vec": 8, "threads": 128, "grad_w": "regs", "stage": "none"})
     with pytest.raises(ConfigError, match="multiple of 8"):
-        s.check_config(_full(h=300), {"vec": 8, "threads": 64, "grad_w": "global"})
+        s.check_config(_full(h=300), {"vec": 8, "threads": 64, "grad_w": "global", "stage": "none"})
     with pytest.raises(ConfigError, match="fewer threads"):
-        s.check_config(_full(h=512), {"vec": 8, "threads": 512, "grad_w": "regs"})
+        s.check_config(_full(h=512), {"vec": 8, "threads": 512, "grad_w": "regs", "stage": "none"})
+    with pytest.raises(ConfigError, match="vec >= 2"):
+        s.check_config(_full(h=512), {"vec": 1, "threads": 128, "grad_w": "global", "stage": "xk"})
+    # 3 x 4 x 12288 x 2 bytes staged: more than a block's 227 KiB of shared memory (2 x: 192 KiB, fits)
+    with pytest.raises(ConfigError, match="shared memory"):
+        s.check_config(_full(h=12288), {"vec": 8, "threads": 512, "grad_w": "global", "stage": "xk_go"})
+    s.check_config(_full(h=12288), {"vec": 8, "threads": 512, "grad_w": "global", "stage": "xk"})
+    # a config tuned before `stage` was a tunable is the unstaged kernel it was built as
+    assert with_added(s, {"vec": 8, "threads": 128, "grad_w": "regs"})["stage"] == "none"
     with pytest.raises(ConfigError, match="unroll=8"):
         r.check_config(r.canonical_shape({"hc_mult": 4, "hidden_size": 512, "num_partials": 4}),
                        {"block_elems": 256, "threads": 64, "vec": 4, "unroll": 8})
@@ -149,11 +158,23 @@ def test_grad_w_reduce_reference():
 def test_bwd_cross_compiles_for_sm90a():
     kern = tkjit.get(BWD, {"num_tokens": 4096, "hc_mult": 4, "hidden_size": 7168}, arch="sm_90a")
     src = (kern.path / "kernel.cu").read_text()
-    assert kern.config == {"vec": 8, "threads": 512, "grad_w": "regs"}
+    assert kern.config == {"vec": 8, "threads": 512, "grad_w": "regs", "stage": "none"}
     assert "k_stride0" in src and "v_stride0" in src and "float gw[64]" in src
     assert src.count("*(uint4*)(kv + 0)") == 1 and "sqrtf" in src and "__expf" not in src
+    assert "cp_async" not in src
+    # staged: x and k start for shared memory as 16-byte cp.async before pass 1 and are waited for before
+    # pass 2, which reads them (and, with xk_go, grad_out) from there; grad_out is read from global once
+    for stage, go_reads in (("xk", 2), ("xk_go", 1)):
+        kern = tkjit.get(BWD, {"num_tokens": 4096, "hc_mult": 4, "hidden_size": 7168}, arch="sm_90a",
+                         config={"vec": 8, "threads": 512, "grad_w": "global", "stage": stage})
+        src = (kern.path / "kernel.cu").read_text()
+        assert src.count("tl::cp_async_gs<16>") == 2 and src.count("tl::cp_async_commit()") == 1
+        assert src.index("cp_async_commit") < src.index("(vv + 0)") < src.index("cp_async_wait<0>") < src.index(
+            "(kv + 0) = *(uint4*)(((bfloat16_t*)ksm)")
+        assert "*(uint4*)(xs + 0) = *(uint4*)(hidden_states" not in src
+        assert src.count("*(uint4*)(grad_out + ") == go_reads, stage
     kern = tkjit.get(BWD, {"num_tokens": 7, "hc_mult": 3, "hidden_size": 300, "num_partials": 5}, arch="sm_90a",
-                     config={"vec": 4, "threads": 64, "grad_w": "global"})
+                     config={"vec": 4, "threads": 64, "grad_w": "global", "stage": "none"})
     assert "gw[" not in (kern.path / "kernel.cu").read_text()
 
 

@@ -28,6 +28,14 @@ stores grad_x and grad_k. weight_fused's gradient accumulates over the block's t
 row of grad_w_partial (`"global"`: read-modify-write per token, L2-resident; for rows too wide for
 registers). The sums' order is not TileKernels' (two warps per head there), so the float32 results agree
 with its kernel to float32 rounding (bf16 outputs: within one ulp), not bit for bit.
+
+With one block an SM, a token costs two DRAM round trips one after the other: pass 1's loads, the block's
+reduction, then pass 2's loads of x and k. `stage` takes the second off that path. "none" is the two passes
+above. "xk": each thread starts its own x and k chunks of the token on their way to shared memory (cp.async,
+one group) before pass 1, and pass 2 waits for the group and reads them there; "xk_go" also keeps pass 1's
+grad_out chunks in shared memory, so pass 2 does not read grad_out from L2 again. A thread reads back only what
+it wrote, so no barrier guards the copies (the end-of-token barrier orders pass 2's reads before the next
+token's copies). Shared bytes: 2 or 3 x hc_mult x hidden_size x 2 (TileKernels keeps grad_out and v there).
 bf16 and warp shuffles: CUDA targets only.
 """
 
@@ -56,6 +64,12 @@ from tkjit_kernels.mhc._post import idle_threads_problem
 
 BWD_PARAMS = tuple(p for p in PARAMS if p.name != "eps") + (PARTIALS,)  # rstd is saved: no eps here
 THREADS = (32, 64, 128, 256, 512, 1024)
+STAGES = {"none": 0, "xk": 2, "xk_go": 3}  # bf16 rows of hc_mult x hidden_size a block keeps in shared memory
+SMEM_MAX = 227 * 1024  # shared bytes a block may opt in to (sm_90)
+
+
+def _stage_bytes(shape, c) -> int:
+    return STAGES[c["stage"]] * shape["hc_mult"] * shape["hidden_size"] * 2
 
 
 def _steps(shape, c) -> int:
@@ -83,7 +97,7 @@ def default(shape):
     threads = 512
     while threads > 32 and idle_threads_problem(cpr, threads):
         threads //= 2
-    c = {"vec": vec, "threads": threads, "grad_w": "regs"}
+    c = {"vec": vec, "threads": threads, "grad_w": "regs", "stage": "none"}
     if _acc_regs(shape, c) > _acc_cap(threads):
         c["grad_w"] = "global"
     return c
@@ -100,6 +114,12 @@ def constraint(shape, c):
         return (f"grad_w='regs' needs hc_mult * chunks a thread * vec = {_acc_regs(shape, c)} accumulator "
                 f"registers, more than {_acc_cap(c['threads'])} at {c['threads']} threads: use grad_w='global' "
                 "or more threads")
+    if c["stage"] != "none":
+        if c["vec"] < 2:
+            return f"stage={c['stage']!r} copies chunks with cp.async, 4 bytes at least: vec >= 2"
+        need = _stage_bytes(shape, c) + (c["threads"] // 32) * shape["hc_mult"] * 4
+        if need > SMEM_MAX:
+            return f"stage={c['stage']!r} needs {need} bytes of shared memory a block, more than {SMEM_MAX}"
     return None
 
 
@@ -108,6 +128,7 @@ def build(shape, c):
 
     m, h, clamp, P = shape["hc_mult"], shape["hidden_size"], shape["clamp_value"], shape["num_partials"]
     vec, threads, regs = c["vec"], c["threads"], c["grad_w"] == "regs"
+    stage_xk, stage_go = c["stage"] != "none", c["stage"] == "xk_go"
     cpr = h // vec  # chunks per row
     steps = _steps(shape, c)
     loop = T.unroll  # constraint: at most 128 accumulators; "global" rows: steps <= 2 * hidden / threads
@@ -157,6 +178,11 @@ def build(shape, c):
             dk = T.alloc_local((m,), f32)  # dot * rstd_k**2 / hidden
             gw = T.alloc_local((m * steps * vec if regs else 1,), f32)
             red = T.alloc_shared((warps, m), f32)
+            if stage_xk:  # a thread's own chunks: written and read by it alone
+                xsm = T.alloc_shared((m, h), bf16)
+                ksm = T.alloc_shared((m, h), bf16)
+            if stage_go:
+                gsm = T.alloc_shared((m, h), bf16)
             per = T.ceildiv(num_tokens, P)
             t0 = T.min(per * b, num_tokens)
             t1 = T.min(per * (b + 1), num_tokens)
@@ -175,6 +201,17 @@ def build(shape, c):
                 for i in T.unroll(m):
                     gate[i] = gate_score[tok, i]
                     part[i] = 0.0
+                if stage_xk:  # x and k on their way while pass 1 and the reduction run
+                    for s in loop(steps):
+                        q = s * threads + tx
+                        col = q * vec
+                        if q < cpr:
+                            for i in T.unroll(m):
+                                T.ptx_cp_async(T.access_ptr(xsm[i, col], "w", vec),
+                                               T.access_ptr(hidden_states[tok, i, col], "r", vec), vec)
+                                T.ptx_cp_async(T.access_ptr(ksm[i, col], "w", vec),
+                                               T.access_ptr(k[tok, i, col], "r", vec), vec)
+                    T.ptx_commit_group()
                 # pass 1: grad_v, and sum(grad_out * v) per head
                 for s in loop(steps):
                     q = s * threads + tx
@@ -187,6 +224,9 @@ def build(shape, c):
                         for i in T.unroll(m):
                             for e in T.vectorized(vec):
                                 gs[e] = grad_out[tok, i, col + e]
+                            if stage_go:
+                                for e in T.vectorized(vec):
+                                    gsm[i, col + e] = gs[e]
                             for e in T.unroll(vec):
                                 part[i] = part[i] + T.cast(gs[e], f32) * T.cast(vv[e], f32)
                                 acc[e] = acc[e] + T.cast(gs[e], f32) * gate[i]
@@ -222,17 +262,29 @@ def build(shape, c):
                     dx[i] = dot_i * rx * rx / T.float32(h)
                     dk[i] = dot_i * rk * rk / T.float32(h)
                 # pass 2: grad_x, grad_k, and weight_fused's gradient
+                if stage_xk:
+                    T.ptx_wait_group(0)
                 for s in loop(steps):
                     q = s * threads + tx
                     col = q * vec
                     if q < cpr:
                         for i in T.unroll(m):
-                            for e in T.vectorized(vec):
-                                gs[e] = grad_out[tok, i, col + e]
-                            for e in T.vectorized(vec):
-                                xs[e] = hidden_states[tok, i, col + e]
-                            for e in T.vectorized(vec):
-                                kv[e] = k[tok, i, col + e]
+                            if stage_go:
+                                for e in T.vectorized(vec):
+                                    gs[e] = gsm[i, col + e]
+                            else:
+                                for e in T.vectorized(vec):
+                                    gs[e] = grad_out[tok, i, col + e]
+                            if stage_xk:
+                                for e in T.vectorized(vec):
+                                    xs[e] = xsm[i, col + e]
+                                for e in T.vectorized(vec):
+                                    kv[e] = ksm[i, col + e]
+                            else:
+                                for e in T.vectorized(vec):
+                                    xs[e] = hidden_states[tok, i, col + e]
+                                for e in T.vectorized(vec):
+                                    kv[e] = k[tok, i, col + e]
                             for e in T.vectorized(vec):
                                 ws[e] = weight_fused[i, col + e]
                             for e in T.unroll(vec):
@@ -255,8 +307,8 @@ def build(shape, c):
                                     pw[e] = pw[e] + dr[i] * T.cast(xs[e], f32) * T.cast(kv[e], f32)
                                 for e in T.vectorized(vec):
                                     grad_w_partial[b, i, col + e] = pw[e]
-                if warps > 1:
-                    T.sync_threads()  # red is reused by the next token
+                if warps > 1 or stage_xk:
+                    T.sync_threads()  # red is reused by the next token; pass 2's reads before the next copies
             if regs:
                 for s in T.unroll(steps):
                     q = s * threads + tx
@@ -301,7 +353,9 @@ SPEC = register(
             "vec": (1, 2, 4, 8),
             "threads": THREADS,
             "grad_w": ("regs", "global"),
+            "stage": tuple(STAGES),
         },
+        added={"stage": "none"},
         default=default,
         constraint=constraint,
         check_shape=partials_check,
