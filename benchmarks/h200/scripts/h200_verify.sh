@@ -61,7 +61,8 @@
 #   s28       # the studies of the kernels session 28's table found slower than TileKernels, then their table:
 #             # PART=a the e5m6 casts and per_channel_cast_fused (new defaults), PART=b engram_gate_fwd (new
 #             # grid), engram_gate_bwd, the mHC mixes, mhc_post_fwd and the SwiGLU per-channel cast (~450 s each);
-#             # PART=c the GPU test files of the four kernels whose code or defaults session 28 changed
+#             # PART=c the GPU test files of the five kernels whose code or defaults sessions 28-29 changed
+#             # (engram_gate_bwd's `stage`: then `SWEEPS_FILE=benchmarks/h200/scripts/sweeps_s29.txt sweeps`)
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -280,7 +281,7 @@ s28)
   case "$PART" in
     a) K=cast_back_e5m6,cast_back_e5m6_colmajor,per_token_cast_e5m6,per_token_cast_e5m6_colmajor,per_channel_cast_fused ;;
     b) K=engram_gate_fwd,engram_gate_bwd,mhc_head_compute_mix,mhc_pre_split_mixes,mhc_post_fwd,swiglu_forward_and_per_channel_cast_and_transpose ;;
-    c) FILES="engram_gate_fwd;per_channel_cast_fused;cast_back_e5m6;per_token_cast_e5m6" \
+    c) FILES="engram_gate_fwd;engram_gate_bwd;per_channel_cast_fused;cast_back_e5m6;per_token_cast_e5m6" \
          TEST_TIMEOUT=${TEST_TIMEOUT:-400} bash "$0" parallel; exit ;;
     *) echo "s28: PART=a, b or c"; exit 2 ;;
   esac
