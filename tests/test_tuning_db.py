@@ -179,7 +179,8 @@ def test_get_reports_config_source(dbs, monkeypatch):
 
 def test_entry_that_kept_the_default_serves_the_current_default(dbs, monkeypatch, capsys):
     """A study that found nothing better than the default stores the default of that day. After the spec's
-    default changes, the entry must not pin the old one: the current default serves (and `db show` says why)."""
+    default changes, the entry must not pin the old one: the current default serves (and `db show` says why).
+    While it is still the default, the entry serves as tuned."""
     user, shipped = dbs
     monkeypatch.setenv("TKJIT_GPU_NAME", "NVIDIA H200")
     old = cfg(16, th=64)
@@ -204,6 +205,10 @@ def test_entry_that_kept_the_default_serves_the_current_default(dbs, monkeypatch
     assert cli.main(["db", "show", "sinkhorn_fwd", "--shape", "n=4", "num_tokens=4096", "--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
     assert "(default)" in out and "none beat the default of then" in out, out
+    # while the entry's config is still the default, it serves as tuned (the tuning confirmed it)
+    now = spec().default_config(full(4096), "sm_90a")
+    write(shipped, "sm_90a", "NVIDIA H200", [entry(4096, now, won=False, default_config=now)])
+    assert tuning_db.lookup(spec(), full(4096), "sm_90a") == (now, "tuned:shipped")
 
 
 MALFORMED_DBS = {

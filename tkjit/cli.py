@@ -902,10 +902,10 @@ def cmd_db_show(args) -> int:
             print(f"  tuned {e.get('date')} on {e.get('gpu')}: {e.get('tuned_us')} us vs default {e.get('default_us')}"
                   f" us, speedup {e.get('speedup')}, spread {e.get('spread')}, {e.get('trials', '?')} trials, "
                   f"versions {_compact(e.get('versions', {}))}")
-        if found is not None and kept_default(found.entry):
+        if found is not None and kept_default(found.entry) and not source.startswith("tuned"):
             e = found.entry
             print(f"  from {found.path}: tuned {e.get('date')} on {e.get('gpu')}, {e.get('trials', '?')} trials, "
-                  f"none beat the default of then ({_compact(e['config'])}): the current default serves")
+                  f"none beat the default of then ({_compact(e['config'])}), which has changed since: today's serves")
         default = spec.default_config(full, arch)
         if default != cfg:
             print(f"  heuristic default: {_compact(default)}")

@@ -5,7 +5,8 @@
   2. the shipped DB     tkjit/tuning_db_data/<arch>/<GPU_model>.json      -> "tuned:shipped"
      (package data, found through importlib.resources; TKJIT_TUNING_DB points elsewhere)
   3. the nearest tuned bucket of the same static shape, user's first       -> "tuned:nearest(user, num_tokens=65536)"
-  4. None: the heuristic default serves. So does an entry whose study kept the default (`kept_default`).
+  4. None: the heuristic default serves. So does an entry whose study kept a default that has changed since
+     (`kept_default`).
 GPU_model is the GPU name with spaces as underscores (NVIDIA_H200). A model without its own file
 uses any file of the same arch. On a host without that GPU (cross-compiling for a named arch)
 the model is TKJIT_GPU_NAME, or any file of the arch. TKJIT_NO_TUNED_DB=1 turns lookups off.
@@ -393,15 +394,19 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     because of one.
     """
     found = find_tuned(spec, shape, arch)
-    if found is None or kept_default(found.entry):
+    if found is None:
         return None
-    return with_added(spec, found.entry["config"]), found.source
+    cfg = with_added(spec, found.entry["config"])
+    if kept_default(found.entry) and cfg != spec.default_config(shape, arch):
+        return None  # "serve the default", and the default has changed since: today's serves
+    return cfg, found.source
 
 
 def kept_default(entry: Mapping[str, Any]) -> bool:
     """An entry whose study found nothing that beat the heuristic default: its config is the default of the
-    day it was tuned. It says "serve the default", so the spec's current default serves; pinning the old
-    one would undo every later change of the default (and fill a tunable added since with its old value)."""
+    day it was tuned. It says "serve the default": while that is still the spec's default it serves as tuned,
+    once the default has changed `lookup` passes it over, since pinning the old one would undo the change
+    (and fill a tunable added since with its old value)."""
     return entry.get("won") is False and entry.get("default_config") == entry["config"]
 
 
