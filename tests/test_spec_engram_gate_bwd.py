@@ -172,6 +172,8 @@ def test_bwd_cross_compiles_for_sm90a():
         assert src.index("cp_async_commit") < src.index("(vv + 0)") < src.index("cp_async_wait<0>") < src.index(
             "(kv + 0) = *(uint4*)(((bfloat16_t*)ksm)")
         assert "*(uint4*)(xs + 0) = *(uint4*)(hidden_states" not in src
+        # the kernel's own two barriers a token (the warps' sums, the end of the token), none around the copies
+        assert src.count("__syncthreads()") == 2, stage
         assert src.count("*(uint4*)(grad_out + ") == go_reads, stage
     kern = tkjit.get(BWD, {"num_tokens": 7, "hc_mult": 3, "hidden_size": 300, "num_partials": 5}, arch="sm_90a",
                      config={"vec": 4, "threads": 64, "grad_w": "global", "stage": "none"})

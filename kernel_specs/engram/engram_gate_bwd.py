@@ -35,12 +35,13 @@ above. "xk": each thread starts its own x and k chunks of the token on their way
 one group) before pass 1, and pass 2 waits for the group and reads them there; "xk_go" also keeps pass 1's
 grad_out chunks in shared memory, so pass 2 does not read grad_out from L2 again. A thread reads back only what
 it wrote, so no barrier guards the copies (the end-of-token barrier orders pass 2's reads before the next
-token's copies). Shared bytes: 2 or 3 x hc_mult x hidden_size x 2 (TileKernels keeps grad_out and v there).
+token's copies), and TileLang's own barrier placement, which would add two a token, is off for these configs
+(`_pass_configs`). Shared bytes: 2 or 3 x hc_mult x hidden_size x 2 (TileKernels keeps grad_out and v there).
 bf16 and warp shuffles: CUDA targets only.
 """
 
 from tkjit.registry import register
-from tkjit.spec import KernelSpec, TensorArg
+from tkjit.spec import KernelSpec, TensorArg, ieee_plain_threads
 from tkjit_kernels.engram._gate import (
     COMMON,
     EXAMPLES,
@@ -70,6 +71,17 @@ SMEM_MAX = 227 * 1024  # shared bytes a block may opt in to (sm_90)
 
 def _stage_bytes(shape, c) -> int:
     return STAGES[c["stage"]] * shape["hc_mult"] * shape["hidden_size"] * 2
+
+
+def _pass_configs(c) -> dict:
+    configs = ieee_plain_threads(c)
+    if c.get("stage", "none") != "none":
+        # A staged chunk is read back only by the thread whose cp.async wrote it, after its own wait; TileLang's
+        # barrier placement sees shared memory other threads write and would put a block barrier after the
+        # copies' commit and another after the wait. The barriers the kernel needs (the warps' partial sums in
+        # `red`, the end of a token) are its own T.sync_threads, which stay.
+        configs["tl.disable_thread_storage_sync"] = True
+    return configs
 
 
 def _steps(shape, c) -> int:
@@ -373,6 +385,6 @@ SPEC = register(
         + _partial_bytes(s) + s["hc_mult"] * s["hidden_size"] * 4,
         flops=lambda s: 16 * s["num_tokens"] * s["hc_mult"] * s["hidden_size"],
         examples=EXAMPLES,
-        **COMMON,
+        **{**COMMON, "pass_configs": _pass_configs},
     )
 )
