@@ -209,6 +209,9 @@ def test_entry_that_kept_the_default_serves_the_current_default(dbs, monkeypatch
     now = spec().default_config(full(4096), "sm_90a")
     write(shipped, "sm_90a", "NVIDIA H200", [entry(4096, now, won=False, default_config=now)])
     assert tuning_db.lookup(spec(), full(4096), "sm_90a") == (now, "tuned:shipped")
+    assert cli.main(["db", "show", "sinkhorn_fwd", "--shape", "n=4", "num_tokens=4096", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    assert "(tuned:shipped)" in out and "none beat" not in out, out
 
 
 MALFORMED_DBS = {
