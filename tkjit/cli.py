@@ -883,7 +883,7 @@ def cmd_db_merge(args) -> int:
 
 
 def cmd_db_show(args) -> int:
-    from tkjit.tuning_db import choose_config, find_tuned, kept_default, with_added
+    from tkjit.tuning_db import choose_config, find_tuned, kept_old_default
 
     arch = _served_arch(args.arch)
     if arch is None:
@@ -902,8 +902,7 @@ def cmd_db_show(args) -> int:
             print(f"  tuned {e.get('date')} on {e.get('gpu')}: {e.get('tuned_us')} us vs default {e.get('default_us')}"
                   f" us, speedup {e.get('speedup')}, spread {e.get('spread')}, {e.get('trials', '?')} trials, "
                   f"versions {_compact(e.get('versions', {}))}")
-        if found is not None and kept_default(found.entry) and (
-                with_added(spec, found.entry["config"]) != spec.default_config(full, arch)):  # what lookup passed over
+        if found is not None and kept_old_default(spec, full, arch, found.entry):  # what lookup passed over
             e = found.entry
             print(f"  from {found.path}: tuned {e.get('date')} on {e.get('gpu')}, {e.get('trials', '?')} trials, "
                   f"none beat the default of then ({_compact(e['config'])}), which has changed since: today's serves")

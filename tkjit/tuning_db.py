@@ -6,7 +6,7 @@
      (package data, found through importlib.resources; TKJIT_TUNING_DB points elsewhere)
   3. the nearest tuned bucket of the same static shape, user's first       -> "tuned:nearest(user, num_tokens=65536)"
   4. None: the heuristic default serves. So does an entry whose study kept a default that has changed since
-     (`kept_default`).
+     (`kept_old_default`).
 GPU_model is the GPU name with spaces as underscores (NVIDIA_H200). A model without its own file
 uses any file of the same arch. On a host without that GPU (cross-compiling for a named arch)
 the model is TKJIT_GPU_NAME, or any file of the arch. TKJIT_NO_TUNED_DB=1 turns lookups off.
@@ -394,20 +394,18 @@ def lookup(spec: KernelSpec, shape: dict[str, Any], arch: str) -> tuple[dict[str
     because of one.
     """
     found = find_tuned(spec, shape, arch)
-    if found is None:
-        return None
-    cfg = with_added(spec, found.entry["config"])
-    if kept_default(found.entry) and cfg != spec.default_config(shape, arch):
-        return None  # "serve the default", and the default has changed since: today's serves
-    return cfg, found.source
+    if found is None or kept_old_default(spec, shape, arch, found.entry):
+        return None  # (an entry that says "serve the default" of before: today's serves)
+    return with_added(spec, found.entry["config"]), found.source
 
 
-def kept_default(entry: Mapping[str, Any]) -> bool:
-    """An entry whose study found nothing that beat the heuristic default: its config is the default of the
-    day it was tuned. It says "serve the default": while that is still the spec's default it serves as tuned,
-    once the default has changed `lookup` passes it over, since pinning the old one would undo the change
-    (and fill a tunable added since with its old value)."""
-    return entry.get("won") is False and entry.get("default_config") == entry["config"]
+def kept_old_default(spec: KernelSpec, shape: dict[str, Any], arch: str, entry: Mapping[str, Any]) -> bool:
+    """Whether `lookup` passes this entry over: its study found nothing that beat the heuristic default, so its
+    config is the default of the day it was tuned, and the spec's default for this shape is another now. The
+    entry says "serve the default": while that is still the spec's default it serves as tuned; pinning it once
+    the default has changed would undo the change (and fill a tunable added since with its old value)."""
+    return (entry.get("won") is False and entry.get("default_config") == entry["config"]
+            and with_added(spec, entry["config"]) != spec.default_config(shape, arch))
 
 
 class Found(NamedTuple):
