@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -742,6 +743,7 @@ def _studies_of(args) -> list[dict[str, Any]]:
 
 def cmd_tune(args) -> int:
     from tkjit import envs
+    from tkjit.procs import process_age_s
     from tkjit.tuning.pretune import (
         PretuneOptions,
         footer,
@@ -767,7 +769,13 @@ def cmd_tune(args) -> int:
         update_shipped=args.update_shipped)
     # The bench worker starts CUDA (seconds) while this process reads the specs (torch) and opens the storage.
     with start_evaluator(opts) as ev:
-        report = run_studies(_studies_of(args), opts, evaluator=ev)
+        studies = _studies_of(args)
+        age = process_age_s()  # the run's clock starts now: what came before is the footer's "before"
+        report = run_studies(studies, opts, evaluator=ev)
+        closing = time.perf_counter()
+    report.closed(time.perf_counter() - closing)
+    if age is not None:
+        report.before_s = age
     table = summary_table(report.rows) + "\n" + footer(report)
     if args.json:
         print(table, file=sys.stderr)

@@ -7,6 +7,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -31,3 +32,14 @@ def die_with_parent(parent: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc, to the kernel's clock tick); None elsewhere. What a
+    CLI command spends before its own clock starts (the interpreter, imports) is this at that moment."""
+    try:
+        with open("/proc/self/stat", "rb") as f:  # field 22, starttime: clock ticks after boot
+            start_ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

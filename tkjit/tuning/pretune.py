@@ -129,6 +129,7 @@ class PretuneReport:
     written: list[Path]
     elapsed_s: float
     phases: dict[str, float] = field(default_factory=dict)  # where elapsed_s went (seconds; see run_studies)
+    before_s: float | None = None  # a command's seconds before elapsed_s began (interpreter, imports, specs)
 
     @property
     def status(self) -> int:
@@ -138,7 +139,13 @@ class PretuneReport:
     def to_json(self) -> dict[str, Any]:
         return {"arch": self.arch, "gpu": self.gpu, "copy_gbps": self.copy_gbps, "results": self.rows,
                 "written": [str(p) for p in self.written], "elapsed_s": round(self.elapsed_s, 3),
-                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "before_s": None if self.before_s is None else round(self.before_s, 3)}
+
+    def closed(self, close_s: float) -> None:
+        """Count the evaluator's closing (a caller's, after run_studies returned) in elapsed_s."""
+        self.phases["close"] = self.phases.get("close", 0.0) + close_s
+        self.elapsed_s += close_s
 
 
 def resolve_studies(studies: Sequence[Mapping[str, Any]]) -> list[tuple[dict, Any, dict]]:
@@ -296,10 +303,11 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
 
 
 def footer(report: PretuneReport) -> str:
-    """The line after the table: studies tuned, time, the DB files written."""
+    """The line after the table: studies tuned, time (and before it, a command's start), the DB files written."""
     where = ", ".join(f"{k} {v:.1f}" for k, v in report.phases.items())
+    before = "" if report.before_s is None else f", {report.before_s:.1f}s before (Python, imports, specs)"
     return (f"tune: {len(report.entries)}/{len(report.rows)} studies tuned in {report.elapsed_s:.1f}s"
-            + (f" ({where})" if where else "") + f"; copy ceiling {_fmt(report.copy_gbps, '.0f')} GB/s"
+            + (f" ({where})" if where else "") + before + f"; copy ceiling {_fmt(report.copy_gbps, '.0f')} GB/s"
             + "".join(f"\n  wrote {p}" for p in report.written))
 
 
