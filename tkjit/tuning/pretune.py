@@ -130,6 +130,8 @@ class PretuneReport:
     elapsed_s: float
     phases: dict[str, float] = field(default_factory=dict)  # where elapsed_s went (seconds; see run_studies)
     before_s: float | None = None  # a command's seconds before elapsed_s began (interpreter, imports, specs)
+    search_phases: dict[str, float] = field(default_factory=dict)  # the studies' TuneResult.search_phases, summed
+    measured: int = 0  # configs the studies measured (this run)
 
     @property
     def status(self) -> int:
@@ -140,7 +142,8 @@ class PretuneReport:
         return {"arch": self.arch, "gpu": self.gpu, "copy_gbps": self.copy_gbps, "results": self.rows,
                 "written": [str(p) for p in self.written], "elapsed_s": round(self.elapsed_s, 3),
                 "phases": {k: round(v, 3) for k, v in self.phases.items()},
-                "before_s": None if self.before_s is None else round(self.before_s, 3)}
+                "before_s": None if self.before_s is None else round(self.before_s, 3),
+                "search_phases": {k: round(v, 3) for k, v in self.search_phases.items()}, "measured": self.measured}
 
     def closed(self, close_s: float) -> None:
         """Count the evaluator's closing (a caller's, after run_studies returned) in elapsed_s."""
@@ -214,6 +217,8 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
 
     t_all = time.perf_counter()
     phases: dict[str, float] = {}  # start (worker, studies, storage), copy ceiling, search, re-time, warm, close
+    search_phases: dict[str, float] = {}
+    measured = 0
     mark = [t_all]
     for m in opts.imports:
         importlib.import_module(m)
@@ -282,6 +287,9 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
             lap("search")
             phases["search"] -= r.retime_s
             phases["retime"] = phases.get("retime", 0.0) + r.retime_s
+            for k, v in r.search_phases.items():
+                search_phases[k] = search_phases.get(k, 0.0) + v
+            measured += r.new_trials
             row = r.to_json()
             if copy_gbps and r.tuned_us:
                 gbps = spec.bytes_moved(r.full_shape) / (r.tuned_us * 1e-6) / 1e9
@@ -299,15 +307,23 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
         lap("warm")
     if own:  # (the caller's evaluator closes after this returns)
         lap("close")
-    return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all, phases)
+    return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all, phases,
+                         search_phases=search_phases, measured=measured)
 
 
 def footer(report: PretuneReport) -> str:
     """The line after the table: studies tuned, time (and before it, a command's start), the DB files written."""
     where = ", ".join(f"{k} {v:.1f}" for k, v in report.phases.items())
     before = "" if report.before_s is None else f", {report.before_s:.1f}s before (Python, imports, specs)"
+    search = ""
+    if report.search_phases:  # the search's seconds by what the tuner waited on, the rest in "other"
+        sp = dict(report.search_phases)
+        sp["other"] = max(0.0, report.phases.get("search", 0.0) - sum(sp.values()))
+        search = (f"\n  search: {report.measured} configs measured; "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sp.items()) + " s")
     return (f"tune: {len(report.entries)}/{len(report.rows)} studies tuned in {report.elapsed_s:.1f}s"
             + (f" ({where})" if where else "") + before + f"; copy ceiling {_fmt(report.copy_gbps, '.0f')} GB/s"
+            + search
             + "".join(f"\n  wrote {p}" for p in report.written))
 
 

@@ -179,6 +179,9 @@ class TuneResult:
     mode: str = ""
     full_shape: dict[str, Any] = field(default_factory=dict)
     spec_source: str = ""
+    # where the search's seconds went (this run): proposing and claiming configs (the sampler and the storage),
+    # waiting on their compiles, the bench worker (loading, checking, gating, timing each), telling the storage
+    search_phases: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -555,6 +558,7 @@ class _Study:
         self.inflight: set[str] = set()
         self.pruned = 0
         self.new = 0
+        self.phases: dict[str, float] = {}  # the search's seconds by phase (TuneResult.search_phases)
         self.host = socket.gethostname()
         self.owner = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:12]}"  # this tuner, among workers
 
@@ -749,8 +753,15 @@ class _Study:
                 keep.append((trial, cfg))
         return keep
 
+    def _lap(self, phase: str, since: float) -> float:
+        """Add the seconds since `since` to a search phase; now."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - since
+        return now
+
     def _measure(self, batch: list[tuple[Any, dict]]) -> None:
         configs = [c for _, c in batch]
+        t = time.perf_counter()
         if self.arch != "cpu" and hasattr(self.ev, "compile_iter"):
             # GPU: time candidate i while i+1.. compile (events time the GPU; the host is free to work).
             # The C target times on the host, so there everything compiles first.
@@ -758,6 +769,7 @@ class _Study:
         else:
             errors = self.ev.compile(self.spec, self.static, configs, self.arch)
         for (trial, cfg), err in zip(batch, errors):
+            t = self._lap("compile", t)  # (since the last candidate: waiting for this one's compile)
             cid = config_id(cfg)
             self.new += 1
             if err:
@@ -771,6 +783,7 @@ class _Study:
                 # would not change the ranking. Finalists are re-timed in full at the end anyway.
                 r = self.ev.bench(self.spec, self.full, cfg, self.arch, seed,
                                   stop_above_us=None if best is None else best * EARLY_STOP)
+                t = self._lap("bench", t)
                 if r.get("ok"):
                     self.records[cid] = {"ok": True, "us": float(r["us"])}
                     trial.set_user_attr("spread", float(r.get("spread", 0.0)))
@@ -784,8 +797,10 @@ class _Study:
                     self.records[cid] = {"ok": False, "kind": kind, "error": r.get("error", "")}
                     self._tell_fail(trial, kind, r.get("error", ""))
                     log.info("%s %s: %s: %s", self.spec.name, cid, kind, r.get("error"))
+            t = self._lap("store", t)
             if self.progress:
                 self.progress(self._counted(), self.budget, self._best_us())
+            t = time.perf_counter()
 
     def _best_us(self) -> float | None:
         oks = [r["us"] for r in self.records.values() if r["ok"]]
@@ -813,7 +828,9 @@ class _Study:
             if self.time_budget is not None and self.new and time.perf_counter() - t0 + last > self.time_budget:
                 log.info("%s: time budget reached after %d trials", self.name, self._counted())
                 break
+            tp = time.perf_counter()
             batch = self._next_batch()
+            self._lap("propose", tp)
             if not batch:
                 # Other workers measure the rest (or took this batch's configs a moment before it: two workers
                 # starting together pick the same first configs): wait for them, so this worker's result covers
@@ -884,6 +901,7 @@ class _Study:
             speedup=(default_us / tuned_us) if default_us and tuned_us else None, spread=spread, won=won,
             best_config=json.loads(best), elapsed_s=round(elapsed, 3),
             retime_s=round(time.perf_counter() - t_retime, 3),
+            search_phases={k: round(v, 3) for k, v in self.phases.items()},
         )
         # The re-timed winner lives with its trials: `tkjit db export` reads it from any storage.
         # Several workers finishing one study each write theirs; the last one stands.

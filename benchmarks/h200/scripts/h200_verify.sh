@@ -394,7 +394,9 @@ for s in optuna.get_all_study_summaries(st):
     if ph:
         print("  worker phases, median s:", {k: round(sorted(p.get(k, 0) for p in ph)[len(ph) // 2], 4) for k in ph[0]})
 PY
-    grep -H "studies tuned" "$OUT"/fleet_*.txt  # where each run's time went (worker start, copy, search, ...)
+    # where each run's time went: its clock (worker start, copy, search, ...), the command's start before it, and
+    # the search by what the tuner waited on (sampler and storage, compiles, the bench worker, the storage)
+    grep -H -E "studies tuned|^  search:" "$OUT"/fleet_*.txt
   } > "$OUT/fleet.txt" 2>&1
   cat "$OUT/fleet.txt"
   ;;
