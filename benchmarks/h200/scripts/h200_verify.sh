@@ -63,6 +63,8 @@
 #             # grid), engram_gate_bwd, the mHC mixes, mhc_post_fwd and the SwiGLU per-channel cast (~450 s each);
 #             # PART=c the GPU test files of the five kernels whose code or defaults sessions 28-29 changed
 #             # (engram_gate_bwd's `stage`: then `SWEEPS_FILE=benchmarks/h200/scripts/sweeps_s29.txt sweeps`)
+#   s30       # PART=c of s28 (the GPU test files of the five kernels sessions 28-29 changed), then their benchmark
+#             # table at the new defaults (`measure`, no tuning): one call of about 500 s
 #   s9        # what session 9 changed or added without a GPU (benchmarks/h200/README.md), in parts of one
 #             # run each: PART=tests1 (changed kernels), tests2 and tests3 (never run), bench (isolated)
 # Every step has its own time limit so one slow step cannot lose the others' results.
@@ -287,6 +289,14 @@ s28)
   esac
   KERNELS=${KERNELS:-$K} TUNE_TIMEOUT=${TUNE_TIMEOUT:-400} BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} EXTRAS=0 bash "$0" tune
   tail -n 40 "$OUT/pretune.txt"
+  ;;
+s30)  # one short run for the kernels whose served code changed in sessions 28-29 and never ran on a GPU: their GPU
+  # test files (every config against the reference), then their benchmark table at the new defaults
+  # (the table through `measure`: TileKernels' kernels compile on this host, eight processes at a time, first)
+  PART=c TEST_TIMEOUT=${TEST_TIMEOUT:-200} bash "$0" s28
+  KERNELS=${KERNELS:-engram_gate_fwd,engram_gate_bwd,per_channel_cast_fused,cast_back_e5m6,per_token_cast_e5m6} \
+    WARM_TIMEOUT=${WARM_TIMEOUT:-100} KERNEL_TIMEOUT=${KERNEL_TIMEOUT:-45} BENCH_TIMEOUT=${BENCH_TIMEOUT:-180} \
+    bash "$0" measure
   ;;
 split_timing)  # scripts/norm_fn_split.py $SPLIT_ARGS under $SPLIT_TIMEOUT
   timeout "${SPLIT_TIMEOUT:-150}" python benchmarks/h200/scripts/norm_fn_split.py $SPLIT_ARGS --json "$OUT/norm_fn_split.json" \
