@@ -290,7 +290,7 @@ s28)
   KERNELS=${KERNELS:-$K} TUNE_TIMEOUT=${TUNE_TIMEOUT:-400} BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} EXTRAS=0 bash "$0" tune
   tail -n 40 "$OUT/pretune.txt"
   ;;
-s30)  # one short run for the kernels whose served code changed in sessions 28-29 and never ran on a GPU: their GPU
+s30)  # one short run for the five kernels sessions 28-29 changed (four serve code no GPU has run yet): their GPU
   # test files (every config against the reference), then their benchmark table at the new defaults
   # (the table through `measure`: TileKernels' kernels compile on this host, eight processes at a time, first)
   PART=c TEST_TIMEOUT=${TEST_TIMEOUT:-200} bash "$0" s28
