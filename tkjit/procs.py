@@ -1,4 +1,4 @@
-"""Helper processes (compile pool, bench worker): how one ended, and dying with the parent."""
+"""Processes: how a helper (compile pool, bench worker) ended, helpers dying with the parent, this one's age."""
 
 from __future__ import annotations
 
