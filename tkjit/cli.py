@@ -774,8 +774,7 @@ def cmd_tune(args) -> int:
         report = run_studies(studies, opts, evaluator=ev)
         closing = time.perf_counter()
     report.closed(time.perf_counter() - closing)
-    if age is not None:
-        report.before_s = age
+    report.before_s = age
     table = summary_table(report.rows) + "\n" + footer(report)
     if args.json:
         print(table, file=sys.stderr)

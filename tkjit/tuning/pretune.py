@@ -130,8 +130,20 @@ class PretuneReport:
     elapsed_s: float
     phases: dict[str, float] = field(default_factory=dict)  # where elapsed_s went (seconds; see run_studies)
     before_s: float | None = None  # a command's seconds before elapsed_s began (interpreter, imports, specs)
-    search_phases: dict[str, float] = field(default_factory=dict)  # the studies' TuneResult.search_phases, summed
-    measured: int = 0  # configs the studies measured (this run)
+
+    @property
+    def search_phases(self) -> dict[str, float]:
+        """The studies' search phases (TuneResult.search_phases), summed."""
+        total: dict[str, float] = {}
+        for row in self.rows:
+            for k, v in row.get("search_phases", {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    @property
+    def measured(self) -> int:
+        """Configs the studies measured (this run)."""
+        return sum(row.get("new_trials", 0) for row in self.rows)
 
     @property
     def status(self) -> int:
@@ -217,8 +229,6 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
 
     t_all = time.perf_counter()
     phases: dict[str, float] = {}  # start (worker, studies, storage), copy ceiling, search, re-time, warm, close
-    search_phases: dict[str, float] = {}
-    measured = 0
     mark = [t_all]
     for m in opts.imports:
         importlib.import_module(m)
@@ -287,9 +297,6 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
             lap("search")
             phases["search"] -= r.retime_s
             phases["retime"] = phases.get("retime", 0.0) + r.retime_s
-            for k, v in r.search_phases.items():
-                search_phases[k] = search_phases.get(k, 0.0) + v
-            measured += r.new_trials
             row = r.to_json()
             if copy_gbps and r.tuned_us:
                 gbps = spec.bytes_moved(r.full_shape) / (r.tuned_us * 1e-6) / 1e9
@@ -307,8 +314,7 @@ def run_studies(studies: Sequence[Mapping[str, Any]], opts: PretuneOptions, eval
         lap("warm")
     if own:  # (the caller's evaluator closes after this returns)
         lap("close")
-    return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all, phases,
-                         search_phases=search_phases, measured=measured)
+    return PretuneReport(arch, gpu, copy_gbps, rows, entries, list(written), time.perf_counter() - t_all, phases)
 
 
 def footer(report: PretuneReport) -> str:
